@@ -1,0 +1,96 @@
+"""The ``torch.compile`` backend: options in, compiled forward and backward out.
+
+``torch.compile(model, backend="storm")`` uses :data:`storm_backend` (default options, found
+through the ``torch_dynamo_backends`` entry point); ``storm(**options)`` builds a configured one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+
+from storm_compile.config import StormConfig
+from storm_compile.graphs import PassContext, StormGraphs
+from storm_compile.pipeline import storm_partition
+
+log = logging.getLogger("storm_compile")
+
+_SOURCE_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py"))) + tuple(
+    sorted(str(p) for p in (Path(__file__).parent.parent / "passes").glob("*.py")))
+
+
+class StormPartitioner(CustomPartitionerFn):
+    """AOTAutograd partition function: the default min-cut split, then storm's passes."""
+
+    def __init__(self, config: StormConfig,
+                 observer: Callable[[StormGraphs], None] | None = None) -> None:
+        self.config = config
+        self.observer = observer
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs: Any):
+        return storm_partition(joint, joint_inputs, ctx=PassContext(self.config),
+                               observer=self.observer, **kwargs)
+
+    def uuid(self) -> Any:
+        if self.observer is not None:
+            return None
+        return (get_hash_for_files(_SOURCE_FILES), repr(self.config))
+
+
+def _needs_backward(example_inputs: list[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+class StormBackend:
+    """A configured storm backend; call it as ``torch.compile`` calls backends."""
+
+    def __init__(self, config: StormConfig,
+                 observer: Callable[[StormGraphs], None] | None = None) -> None:
+        self.config = config
+        self.partitioner = StormPartitioner(config, observer)
+
+    def __repr__(self) -> str:
+        return f"StormBackend({self.config})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        if not _needs_backward(example_inputs):
+            log.debug("storm: inference graph (grad mode off or no input requires grad): "
+                      "nothing is saved for a backward; compiling unchanged")
+        if self.config.inner == "eager":
+            return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                                partition_fn=self.partitioner,
+                                keep_inference_input_mutations=True)(gm, example_inputs)
+        # NOTE: Inductor's reorder_for_peak_memory moves allocating nodes late and freeing nodes
+        # early. For storm that means a prefetch (it allocates) lands next to its wait and an
+        # offload's wait (it frees) next to its offload: the copies would no longer overlap
+        # compute. The transfer placement already bounds memory, so that reordering is off.
+        return compile_fx(gm, example_inputs, config_patches={
+            "custom_partitioner_fn": self.partitioner,
+            "reorder_for_peak_memory": False,
+        })
+
+
+def storm(**options: Any) -> StormBackend:
+    """A storm backend with the given options (see :class:`StormConfig`); ``ValueError`` on bad ones."""
+    return StormBackend(StormConfig.from_options(**options))
+
+
+def storm_backend(gm: fx.GraphModule, example_inputs: list[Any]):
+    """The backend registered as ``"storm"``: storm with default options."""
+    return _default_backend()(gm, example_inputs)
+
+
+@functools.cache
+def _default_backend() -> StormBackend:
+    return storm()

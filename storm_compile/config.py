@@ -1,0 +1,119 @@
+"""The one configuration record of a storm backend, validated where the backend is built.
+
+Passes receive a resolved :class:`StormConfig` through their context and never read
+globals or environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Literal, get_args
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+DEFAULT_MIN_OFFLOAD_BYTES = 1 * MIB
+"""Smaller activations stay on the GPU. A copy pays about 25 µs of fixed latency on the H100
+(a 64 KiB copy takes 25 µs, a 4 MiB one 90 µs), so below ~1 MiB the link time spent per byte
+freed is several times the bandwidth cost, and the bytes saved are negligible."""
+
+DEFAULT_PREFETCH_DISTANCE = 4
+"""Backward compute nodes between a prefetch and the first use of its tensor."""
+
+DEFAULT_OFFLOAD_WAIT_DISTANCE = 4
+"""Forward compute nodes between an offload and the compute stream's wait on its copy."""
+
+HOST_MEMORY_FRACTION = 0.5
+"""Default cap on pinned host memory, as a fraction of physical RAM: pinned pages cannot be
+swapped, and the data loader and the rest of the process need the other half."""
+
+InnerCompiler = Literal["inductor", "eager"]
+
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MIB, "gib": GIB, "tib": 1 << 40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str, option: str) -> int:
+    """Read a byte count given as an int or a string such as ``"12GiB"``, ``"512 MB"``."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"storm option {option!r}: expected bytes as an int or a string like "
+                         f"'12GiB', got {type(value).__name__} {value!r}")
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"storm option {option!r}: cannot read {value!r} as a size; accepted forms: "
+                         f"an int of bytes, or a number followed by one of "
+                         f"{', '.join(u for u in _SIZE_UNITS if u)} (case-insensitive)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclasses.dataclass(frozen=True)
+class StormConfig:
+    """Options of the storm backend. Build it with :meth:`from_options` to validate user input."""
+
+    inner: InnerCompiler = "inductor"
+    """Compiler for the rewritten forward and backward graphs: ``"inductor"`` (what
+    ``torch.compile`` uses) or ``"eager"`` (run the FX graphs as they are, for debugging)."""
+
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    """Saved activations smaller than this stay on the GPU."""
+
+    prefetch_distance: int = DEFAULT_PREFETCH_DISTANCE
+    """How many backward compute nodes before its first use each prefetch is issued."""
+
+    offload_wait_distance: int = DEFAULT_OFFLOAD_WAIT_DISTANCE
+    """How many forward compute nodes after an offload the compute stream waits for its copy
+    (and so frees the GPU copy). The wait never comes before the activation's last forward use."""
+
+    host_memory_limit: int = 0
+    """Cap on pinned host memory held by the pool, in bytes (strings like ``"64GiB"`` accepted).
+    0 means half of physical RAM. An offload that would pass the cap keeps its tensor on the GPU
+    and warns once."""
+
+    transfer_cpu_tensors: bool = False
+    """Also plan and insert transfers for activations of CPU models, where the ops become plain
+    copies. Lets the whole pipeline run and be tested on a machine without a GPU."""
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "StormConfig":
+        """Validate user options; raise ``ValueError`` naming the option and what is allowed."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown storm option(s) {', '.join(map(repr, unknown))}; "
+                             f"known options: {', '.join(sorted(fields))}")
+        if "host_memory_limit" in options:
+            options["host_memory_limit"] = parse_bytes(options["host_memory_limit"],
+                                                       "host_memory_limit")
+        config = cls(**options)
+        config._validate()
+        if config.host_memory_limit == 0:
+            config = dataclasses.replace(
+                config, host_memory_limit=int(physical_memory_bytes() * HOST_MEMORY_FRACTION))
+        return config
+
+    def _validate(self) -> None:
+        allowed_inner = get_args(InnerCompiler)
+        if self.inner not in allowed_inner:
+            raise ValueError(f"storm option 'inner': expected one of {allowed_inner}, "
+                             f"got {self.inner!r}")
+        for name in ("min_offload_bytes", "prefetch_distance", "offload_wait_distance",
+                     "host_memory_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"storm option {name!r}: expected an int, "
+                                 f"got {type(value).__name__} {value!r}")
+            if value < 0:
+                raise ValueError(f"storm option {name!r}: must be >= 0, got {value}")
+        if not isinstance(self.transfer_cpu_tensors, bool):
+            raise ValueError(f"storm option 'transfer_cpu_tensors': expected a bool, "
+                             f"got {type(self.transfer_cpu_tensors).__name__}")

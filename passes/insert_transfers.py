@@ -1,37 +1,41 @@
-"""Rewrite both graphs so every activation the planner chose to offload crosses the link.
+"""Rewrite both graphs so every storage the planner chose to offload crosses the link.
 
 Assumes: ``plan_offload`` wrote an ``OffloadDecision`` on every saved forward value.
-Guarantees: for each ``offload`` decision on forward node ``x`` (saved as backward input ``h``):
+Guarantees: for each offloaded storage, owned by forward node ``r`` and saved as values
+``m1..mk`` (``r`` itself or views of it; backward inputs ``h1..hk``):
 
-Forward (``x`` no longer leaves the forward on the device)::
+Forward (``r``'s storage no longer leaves the forward on the device)::
 
-    x  = producer(...)
-    x_host        = storm.offload(x, host_limit)        # right after the producer
-    x_host_ready  = storm.record_event(x_host)
-    ...           # offload_wait_distance compute nodes, and at least x's last forward use
-    x_host_done   = storm.wait_event(x_host_ready, x)   # x's last use: its GPU memory is freed
-    return (..., x_host_done, ...)                      # in place of x
+    r = producer(...)
+    r_host       = storm.offload(r, host_limit)       # right after the producer
+    r_host_ready = storm.record_event(r_host)
+    ...          # offload_wait_distance compute nodes, and at least every forward use of r
+                 # or of a view of r
+    r_host_done  = storm.wait_event(r_host_ready, r)  # r's last use: its memory is released
+    return (..., r_host_done, ..., r_host_done, ...)  # in place of each of m1..mk
 
-Backward (``h`` now holds the host copy)::
+Backward (each of ``h1..hk`` now holds the host copy; only ``h1`` is read)::
 
-    h = placeholder
-    ...
-    x_dev       = storm.prefetch(h, device)             # prefetch_distance compute nodes before
-    x_dev_ready = storm.record_event(x_dev)             # the first use, never above a placeholder
-    ...
-    x_dev_done  = storm.wait_event(x_dev_ready, h)      # right before the first use
-    first_use(x_dev_done, ...)                          # every former use of h reads x_dev_done
+    r_dev       = storm.prefetch(h1, device)          # prefetch_distance compute nodes before
+    r_dev_ready = storm.record_event(r_dev)           # the first use of any of h1..hk, never
+    ...                                               # above a placeholder
+    r_dev_done  = storm.wait_event(r_dev_ready, h1)   # right before that first use
+    mi = <the forward's view ops from r to mi, replayed on r_dev_done>   # for each i
+    first_use(...)                                    # every former use of hi reads mi
 
-``meta["val"]`` of every new node, and of ``h``, is set from the ops' fake implementations.
+``meta["val"]`` of every new node, and of ``h1..hk``, comes from the ops' fake implementations;
+the replayed views have the strides the backward was traced with.
 Idempotent: a second run finds the saved values produced by storm ops and changes nothing.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_leaves
 
 from storm_compile import ops
 from storm_compile.graphs import (
@@ -39,9 +43,11 @@ from storm_compile.graphs import (
     DECISION_KEY,
     PassContext,
     StormGraphs,
+    alias_root,
     backward_placeholder,
     output_node,
     saved_values,
+    view_chain,
 )
 
 
@@ -51,7 +57,7 @@ def _fake_call(target, args: Sequence[object], kwargs: dict[str, object]) -> tor
 
     fake_args = [val(a) for a in args]
     fake_kwargs = {k: val(v) for k, v in kwargs.items()}
-    fake_mode = next(a.fake_mode for a in fake_args if hasattr(a, "fake_mode"))
+    fake_mode = next(a.fake_mode for a in tree_leaves(fake_args) if hasattr(a, "fake_mode"))
     with fake_mode:
         return target(*fake_args, **fake_kwargs)
 
@@ -67,10 +73,14 @@ def _compute_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if COST_KEY in n.meta and n.meta[COST_KEY].is_compute]
 
 
-def _offload_in_forward(graph: fx.Graph, x: fx.Node, ctx: PassContext) -> fx.Node:
-    forward_users = [u for u in x.users if u.op != "output"]
-    with graph.inserting_after(x):
-        host = _emit(graph, ops.offload, (x, ctx.config.host_memory_limit))
+def _alias_class(graph: fx.Graph, root: fx.Node) -> list[fx.Node]:
+    return [n for n in graph.nodes if alias_root(n) is root]
+
+
+def _offload_in_forward(graph: fx.Graph, root: fx.Node, ctx: PassContext) -> fx.Node:
+    forward_users = [u for n in _alias_class(graph, root) for u in n.users if u.op != "output"]
+    with graph.inserting_after(root):
+        host = _emit(graph, ops.offload, (root, ctx.config.host_memory_limit))
     with graph.inserting_after(host):
         ready = _emit(graph, ops.record_event, (host,))
 
@@ -79,14 +89,17 @@ def _offload_in_forward(graph: fx.Graph, x: fx.Node, ctx: PassContext) -> fx.Nod
     distance = min(ctx.config.offload_wait_distance, len(compute_after))
     anchors = [ready, *forward_users] + ([compute_after[distance - 1]] if distance else [])
     with graph.inserting_after(max(anchors, key=order.__getitem__)):
-        return _emit(graph, ops.wait_event, (ready, x))
+        return _emit(graph, ops.wait_event, (ready, root))
 
 
-def _prefetch_in_backward(graph: fx.Graph, h: fx.Node, device: torch.device,
-                          ctx: PassContext) -> None:
-    users = list(h.users)
+def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
+                          device: torch.device, ctx: PassContext) -> None:
+    """``members`` maps each backward input of the storage to its forward view chain's end."""
+    placeholders = list(members)
+    source = placeholders[0]
+    users = {h: list(h.users) for h in placeholders}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    first_use = min(users, key=order.__getitem__)
+    first_use = min((u for us in users.values() for u in us), key=order.__getitem__)
     compute_before = [n for n in _compute_nodes(graph) if order[n] < order[first_use]]
     distance = ctx.config.prefetch_distance
     if distance == 0:
@@ -96,32 +109,39 @@ def _prefetch_in_backward(graph: fx.Graph, h: fx.Node, device: torch.device,
     else:
         issue = graph.inserting_after(graph.find_nodes(op="placeholder")[-1])
     with issue:
-        dev = _emit(graph, ops.prefetch, (h, device))
+        dev = _emit(graph, ops.prefetch, (source, device))
     with graph.inserting_after(dev):
         ready = _emit(graph, ops.record_event, (dev,))
     with graph.inserting_before(first_use):
-        done = _emit(graph, ops.wait_event, (ready, h))
-    for user in users:
-        user.replace_input_with(h, done)
+        done = _emit(graph, ops.wait_event, (ready, source))
+        for h, saved in members.items():
+            rebuilt = done
+            for view in view_chain(saved):
+                rebuilt = _emit(graph, view.target, (rebuilt, *view.args[1:]), dict(view.kwargs))
+            for user in users[h]:
+                user.replace_input_with(h, rebuilt)
 
 
 def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    fw, bw = graphs.forward.graph, graphs.backward.graph
-    chosen = [n for n in saved_values(graphs)
-              if n.meta.get(DECISION_KEY) is not None and n.meta[DECISION_KEY].action == "offload"]
+    groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in saved_values(graphs):
+        decision = node.meta.get(DECISION_KEY)
+        if decision is not None and decision.action == "offload":
+            groups[alias_root(node)].append(node)
     out = output_node(graphs.forward)
-    for x in chosen:
-        h = backward_placeholder(graphs, x)
-        device = x.meta["val"].device
-        done = _offload_in_forward(fw, x, ctx)
-        fw_outputs = list(out.args[0])
-        index = fw_outputs.index(x, graphs.num_fwd_outputs)
-        fw_outputs[index] = done
-        out.args = (tuple(fw_outputs),)
-        h.meta["val"] = done.meta["val"]
-        h.meta.pop("tensor_meta", None)
-        _prefetch_in_backward(bw, h, device, ctx)
-    if chosen:
+    for root, saved in groups.items():
+        done = _offload_in_forward(graphs.forward.graph, root, ctx)
+        out.args = (tuple(done if n in saved else n for n in out.args[0]),)
+        members = {backward_placeholder(graphs, m): m for m in saved}
+        for h in members:
+            h.meta["val"] = done.meta["val"]
+            h.meta.pop("tensor_meta", None)
+        _prefetch_in_backward(graphs.backward.graph, members, root.meta["val"].device, ctx)
+        for member in saved:
+            for view in reversed(view_chain(member)):
+                if not view.users:
+                    graphs.forward.graph.erase_node(view)
+    if groups:
         graphs.forward.recompile()
         graphs.backward.recompile()
     return graphs

@@ -1,18 +1,24 @@
-"""Decide, for every tensor saved for the backward, whether it stays on the device or is offloaded.
+"""Decide, for every value saved for the backward, whether its storage stays on the device or is
+offloaded to pinned host memory.
 
-This first placement offloads every activation that can be offloaded; later planners choose.
+The unit is a storage: the saved values that share one (a tensor and its views, or several views
+of one buffer, such as q, k and v split from a fused QKV projection) are decided together, since
+the device memory is freed only when none of them is held any more. This first placement
+offloads every storage that can be offloaded; later planners choose.
 
 Assumes: ``annotate_costs`` ran; the graphs are a partitioner's forward/backward pair.
-Guarantees: every saved forward value has ``meta[DECISION_KEY]``, an
-:class:`~storm_compile.graphs.OffloadDecision` whose ``reason`` says why; ``offload`` is chosen
-only for a dense, non-empty tensor of static shape on a CUDA device (or any device with
-``transfer_cpu_tensors``) that is produced by an op of the forward (not a graph input, a view,
-or a storm transfer), is not a user-visible output, shares its storage with no other output of
-the forward, is at least ``min_offload_bytes``, and is read by the backward.
+Guarantees: every saved forward value, and the node owning its storage, has
+``meta[DECISION_KEY]``, an :class:`~storm_compile.graphs.OffloadDecision`. ``offload`` is chosen only when the storage is
+owned by a forward op (not a graph input or a storm transfer), no user-visible output shares it,
+it is dense, non-empty, of static shape, on a CUDA device (any device with
+``transfer_cpu_tensors``), at least ``min_offload_bytes``, and every saved view of it can be
+rebuilt in the backward from the storage alone. ``reason`` says which rule decided.
 Emits: no nodes; the graphs are not changed.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from torch import fx
@@ -27,28 +33,34 @@ from storm_compile.graphs import (
     backward_placeholder,
     is_dense,
     is_transfer,
-    is_view,
     model_outputs,
     saved_values,
+    view_chain,
 )
 
+OFFLOAD_REASON = "eligible: every eligible storage is offloaded"
 
-def _why_not(node: fx.Node, graphs: StormGraphs, ctx: PassContext,
-             user_visible: set[fx.Node], storage_owners: dict[fx.Node, int]) -> str | None:
-    """The reason ``node`` must stay on its device, or None when it can be offloaded."""
-    val = node.meta.get("val")
+
+def _replayable(member: fx.Node) -> bool:
+    """Whether the member's view chain uses nothing but the storage and constants."""
+    for view in view_chain(member):
+        if any(isinstance(a, fx.Node) for a in (*view.args[1:], *view.kwargs.values())):
+            return False
+    return True
+
+
+def _why_not(root: fx.Node, members: list[fx.Node], graphs: StormGraphs, ctx: PassContext,
+             visible_roots: set[fx.Node]) -> str | None:
+    """Why the storage owned by ``root`` must stay on its device, or None if it can move."""
+    val = root.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return "not a tensor"
-    if node.op == "placeholder":
-        return "graph input (parameter, buffer or user input)"
-    if is_transfer(node):
+    if root.op == "placeholder":
+        return "storage of a graph input (parameter, buffer or user input)"
+    if is_transfer(root):
         return "already produced by a storm transfer"
-    if is_view(node):
-        return "view of another tensor"
-    if node in user_visible:
-        return "user-visible output"
-    if storage_owners.get(node, 0) > 1:
-        return "its storage is shared with another forward output, so it would not be freed"
+    if root in visible_roots:
+        return "storage shared with a user-visible output"
     if any(not isinstance(s, int) for s in (*val.shape, *val.stride())):
         return "dynamic shape"
     if val.numel() == 0:
@@ -56,27 +68,30 @@ def _why_not(node: fx.Node, graphs: StormGraphs, ctx: PassContext,
     if val.device.type != "cuda" and not ctx.config.transfer_cpu_tensors:
         return f"on {val.device.type}, not a CUDA device"
     if not is_dense(val):
-        return "not dense in memory"
-    nbytes = node.meta[COST_KEY].output_bytes
-    if nbytes < ctx.config.min_offload_bytes:
+        return "storage owner not dense in memory"
+    if root.meta[COST_KEY].output_bytes < ctx.config.min_offload_bytes:
         return f"smaller than min_offload_bytes ({ctx.config.min_offload_bytes})"
-    if not backward_placeholder(graphs, node).users:
+    if not any(backward_placeholder(graphs, m).users for m in members):
         return "not read by the backward"
+    if not all(_replayable(m) for m in members):
+        return "a saved view of it depends on other values"
     return None
 
 
 def plan_offload(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    saved = saved_values(graphs)
-    user_visible = set(model_outputs(graphs))
-    storage_owners: dict[fx.Node, int] = {}
-    for out in {*user_visible, *saved}:
-        root = alias_root(out)
-        storage_owners[root] = storage_owners.get(root, 0) + 1
-    for node in saved:
-        reason = _why_not(node, graphs, ctx, user_visible, storage_owners)
-        node.meta[DECISION_KEY] = OffloadDecision(
+    visible_roots = {alias_root(n) for n in model_outputs(graphs)}
+    groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in saved_values(graphs):
+        groups[alias_root(node)].append(node)
+    for root, members in groups.items():
+        reason = _why_not(root, members, graphs, ctx, visible_roots)
+        cost = root.meta.get(COST_KEY)
+        decision = OffloadDecision(
             action="keep" if reason else "offload",
-            reason=reason or "eligible: offload every eligible activation",
-            nbytes=node.meta[COST_KEY].output_bytes,
+            reason=reason or OFFLOAD_REASON,
+            storage=root.name,
+            storage_bytes=cost.output_bytes if cost else 0,
         )
+        for node in (root, *members):
+            node.meta[DECISION_KEY] = decision
     return graphs

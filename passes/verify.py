@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import fx
 
 from storm_compile import ops
-from storm_compile.graphs import StormGraphs, model_outputs, output_node
+from storm_compile.graphs import StormGraphs, alias_root, model_outputs, output_node
 
 
 class StormVerificationError(RuntimeError):
@@ -47,14 +47,16 @@ def _check_forward(graphs: StormGraphs) -> None:
     graph = graphs.forward.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     visible = set(model_outputs(graphs))
+    visible_roots = {alias_root(v) for v in visible}
     for node in graph.find_nodes(op="call_function", target=ops.prefetch):
         _fail("forward", node, "prefetch belongs in the backward")
     for node in graph.find_nodes(op="call_function", target=ops.offload):
         source = node.args[0]
-        if source.op == "placeholder" or source in visible:
+        if source.op == "placeholder" or source in visible_roots:
             _fail("forward", node, f"offloads {source.name!r}, a graph input or visible output")
         wait = _check_chain("forward", node)
-        late = [u for u in source.users if u is not wait and order[u] > order[wait]]
+        late = [u for n in graph.nodes if alias_root(n) is source for u in n.users
+                if u is not wait and order[u] > order[wait]]
         if late:
             _fail("forward", source, f"read by {[u.name for u in late]} after its offload "
                                      f"completed and its device memory was released")

@@ -36,17 +36,21 @@ _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MIB, "gib": GIB, "tib": 1 <
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+class StormOptionError(ValueError):
+    """An option given to ``storm(...)`` is unknown, of the wrong type or out of range."""
+
+
 def parse_bytes(value: int | str, option: str) -> int:
     """Read a byte count given as an int or a string such as ``"12GiB"``, ``"512 MB"``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ValueError(f"storm option {option!r}: expected bytes as an int or a string like "
+        raise StormOptionError(f"storm option {option!r}: expected bytes as an int or a string like "
                          f"'12GiB', got {type(value).__name__} {value!r}")
     if isinstance(value, int):
         return value
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"storm option {option!r}: cannot read {value!r} as a size; accepted forms: "
+        raise StormOptionError(f"storm option {option!r}: cannot read {value!r} as a size; accepted forms: "
                          f"an int of bytes, or a number followed by one of "
                          f"{', '.join(u for u in _SIZE_UNITS if u)} (case-insensitive)")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
@@ -85,11 +89,11 @@ class StormConfig:
 
     @classmethod
     def from_options(cls, **options: Any) -> "StormConfig":
-        """Validate user options; raise ``ValueError`` naming the option and what is allowed."""
+        """Validate user options; raise ``StormOptionError`` (a ``ValueError``) naming the option and what is allowed."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - set(fields))
         if unknown:
-            raise ValueError(f"unknown storm option(s) {', '.join(map(repr, unknown))}; "
+            raise StormOptionError(f"unknown storm option(s) {', '.join(map(repr, unknown))}; "
                              f"known options: {', '.join(sorted(fields))}")
         if "host_memory_limit" in options:
             options["host_memory_limit"] = parse_bytes(options["host_memory_limit"],
@@ -104,16 +108,16 @@ class StormConfig:
     def _validate(self) -> None:
         allowed_inner = get_args(InnerCompiler)
         if self.inner not in allowed_inner:
-            raise ValueError(f"storm option 'inner': expected one of {allowed_inner}, "
+            raise StormOptionError(f"storm option 'inner': expected one of {allowed_inner}, "
                              f"got {self.inner!r}")
         for name in ("min_offload_bytes", "prefetch_distance", "offload_wait_distance",
                      "host_memory_limit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"storm option {name!r}: expected an int, "
+                raise StormOptionError(f"storm option {name!r}: expected an int, "
                                  f"got {type(value).__name__} {value!r}")
             if value < 0:
-                raise ValueError(f"storm option {name!r}: must be >= 0, got {value}")
+                raise StormOptionError(f"storm option {name!r}: must be >= 0, got {value}")
         if not isinstance(self.transfer_cpu_tensors, bool):
-            raise ValueError(f"storm option 'transfer_cpu_tensors': expected a bool, "
+            raise StormOptionError(f"storm option 'transfer_cpu_tensors': expected a bool, "
                              f"got {type(self.transfer_cpu_tensors).__name__}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Literal
 
 import torch
@@ -48,9 +49,16 @@ class NodeCost:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadDecision:
+    """What the planner decided for one saved value. The unit of transfer is a storage: a saved
+    view travels as the tensor that owns its storage (``storage``) and is rebuilt from it by
+    replaying its view ops in the backward, so views sharing a storage cross the link once."""
+
     action: Literal["keep", "offload"]
     reason: str
-    nbytes: int
+    storage: str
+    """Name of the forward node owning the saved value's storage."""
+    storage_bytes: int
+    """Bytes of that storage: what the transfer moves and the device memory it frees."""
 
 
 def output_node(gm: fx.GraphModule) -> fx.Node:
@@ -81,18 +89,37 @@ def is_transfer(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in TRANSFER_OPS
 
 
+UNANNOTATED_VIEWS = (torch.ops.aten._unsafe_view.default,)
+"""Ops whose output shares its input's storage although their schema declares a fresh tensor."""
+
+
 def is_view(node: fx.Node) -> bool:
-    """Whether the node's output aliases one of its inputs (view ops, ``record/wait_event``)."""
-    target = node.target
-    schema = getattr(target, "_schema", None)
+    """Whether the node's output shares storage with its first input: view ops, items of a
+    view op's list output, ``_unsafe_view``, and storm's ``record_event``/``wait_event``."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and is_view(source)
+    if node.target in UNANNOTATED_VIEWS:
+        return True
+    schema = getattr(node.target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
-def alias_root(node: fx.Node) -> fx.Node:
-    """Follow view ops back to the node that owns the storage."""
-    while is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+def view_chain(node: fx.Node) -> list[fx.Node]:
+    """The view nodes from the storage owner (exclusive) down to ``node`` (inclusive), in order."""
+    chain = []
+    while is_view(node):
+        chain.append(node)
         node = node.args[0]
-    return node
+    return chain[::-1]
+
+
+def alias_root(node: fx.Node) -> fx.Node:
+    """The node that owns the storage ``node`` reads (``node`` itself unless it is a view)."""
+    chain = view_chain(node)
+    return chain[0].args[0] if chain else node
 
 
 def is_dense(value: torch.Tensor) -> bool:

@@ -1,0 +1,56 @@
+"""Shared test helpers: one training step under a backend, and graph capture."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from storm_compile import ops
+from storm_compile.backend import StormBackend
+from storm_compile.config import StormConfig
+from storm_compile.graphs import COST_KEY, StormGraphs
+from zoo import ZOO
+
+CPU_TEST_OPTIONS = {"inner": "eager", "transfer_cpu_tensors": True, "min_offload_bytes": 0}
+"""Offload every eligible activation of the tiny CPU models, running the graphs directly."""
+
+SEED = 0
+STEP_SEED = 1
+
+
+def step(name: str, backend) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Build zoo model ``name`` (fixed seed), run one forward/backward through ``backend``
+    (None for eager), and return the loss, every parameter gradient and every buffer."""
+    torch.manual_seed(SEED)
+    model, inputs, loss_fn = ZOO[name]()
+    run = model if backend is None else torch.compile(model, backend=backend)
+    torch.manual_seed(STEP_SEED)
+    loss = loss_fn(run(*inputs))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return loss.detach(), grads, buffers
+
+
+def capture(name: str, **options) -> StormGraphs:
+    """The rewritten graphs of zoo model ``name`` under storm with ``options``."""
+    captured: list[StormGraphs] = []
+    config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, **options})
+    step(name, StormBackend(config, observer=captured.append))
+    assert len(captured) == 1, f"{name}: expected one graph pair, got {len(captured)}"
+    return captured[0]
+
+
+def nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def compute_between(gm: fx.GraphModule, first: fx.Node, last: fx.Node) -> int:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sum(1 for n in gm.graph.nodes
+               if order[first] < order[n] < order[last]
+               and COST_KEY in n.meta and n.meta[COST_KEY].is_compute)
+
+
+def transfer_count(graphs: StormGraphs) -> int:
+    return len(nodes(graphs.forward, ops.offload))

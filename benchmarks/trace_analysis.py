@@ -1,0 +1,74 @@
+"""Overlap figures from a Chrome trace written by ``torch.profiler``.
+
+Reads GPU kernel and memcpy events, groups them by stream, and reports: the compute stream's busy
+fraction of the step, total D2H and H2D copy time, and the fraction of copy time during which a
+compute kernel was running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+KERNEL_CATEGORY = "kernel"
+MEMCPY_CATEGORY = "gpu_memcpy"
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    step_us: float
+    compute_busy_fraction: float
+    d2h_us: float
+    h2d_us: float
+    copy_overlap_fraction: float
+    compute_stream: int
+    copy_streams: tuple[int, ...]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def _covered(interval: tuple[float, float], union: list[tuple[float, float]]) -> float:
+    start, end = interval
+    return sum(max(0.0, min(end, e) - max(start, s)) for s, e in union)
+
+
+def _stream(event: dict) -> int:
+    return int(event.get("args", {}).get("stream", event.get("tid", -1)))
+
+
+def analyse(trace_path: str | Path) -> Overlap:
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == KERNEL_CATEGORY and "dur" in e]
+    copies = [e for e in events if e.get("cat") == MEMCPY_CATEGORY and "dur" in e]
+    if not kernels:
+        raise ValueError(f"{trace_path}: no GPU kernel events; was the step profiled on CUDA?")
+    busy_by_stream: dict[int, float] = {}
+    for kernel in kernels:
+        busy_by_stream[_stream(kernel)] = busy_by_stream.get(_stream(kernel), 0.0) + kernel["dur"]
+    compute_stream = max(busy_by_stream, key=busy_by_stream.__getitem__)
+    compute = _union([(k["ts"], k["ts"] + k["dur"]) for k in kernels
+                      if _stream(k) == compute_stream])
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels + copies]
+    step_us = max(end for _, end in spans) - min(start for start, _ in spans)
+    d2h = [c for c in copies if "DtoH" in c["name"]]
+    h2d = [c for c in copies if "HtoD" in c["name"]]
+    copy_total = sum(c["dur"] for c in d2h + h2d)
+    overlapped = sum(_covered((c["ts"], c["ts"] + c["dur"]), compute) for c in d2h + h2d)
+    return Overlap(
+        step_us=step_us,
+        compute_busy_fraction=sum(e - s for s, e in compute) / step_us,
+        d2h_us=sum(c["dur"] for c in d2h),
+        h2d_us=sum(c["dur"] for c in h2d),
+        copy_overlap_fraction=overlapped / copy_total if copy_total else 0.0,
+        compute_stream=compute_stream,
+        copy_streams=tuple(sorted({_stream(c) for c in d2h + h2d})),
+    )

@@ -25,8 +25,7 @@ from storm_compile.pipeline import storm_partition
 
 log = logging.getLogger("storm_compile")
 
-_SOURCE_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("*.py"))) + tuple(
-    sorted(str(p) for p in (Path(__file__).parent.parent / "passes").glob("*.py")))
+_SOURCE_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("**/*.py")))
 
 
 class StormPartitioner(CustomPartitionerFn):

@@ -25,7 +25,9 @@ from storm_compile.pipeline import storm_partition
 
 log = logging.getLogger("storm_compile")
 
-_SOURCE_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.glob("**/*.py")))
+_PACKAGE_DIR = Path(__file__).parent
+_SOURCE_FILES = tuple(sorted(str(p) for d in (_PACKAGE_DIR, _PACKAGE_DIR / "passes")
+                             for p in d.glob("*.py")))
 
 
 class StormPartitioner(CustomPartitionerFn):

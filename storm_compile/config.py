@@ -31,6 +31,11 @@ swapped, and the data loader and the rest of the process need the other half."""
 
 InnerCompiler = Literal["inductor", "eager"]
 
+PRESETS: dict[str, dict[str, object]] = {
+    "storm": {},
+}
+"""Named option sets the backend offers; the benchmark harness measures each one."""
+
 _SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MIB, "gib": GIB, "tib": 1 << 40,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")

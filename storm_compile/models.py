@@ -2,8 +2,8 @@
 
 ``gpt`` is the stack the benchmarks measure: pre-norm transformer blocks with RMSNorm, a fused
 QKV projection, causal ``scaled_dot_product_attention``, an output projection and a SwiGLU MLP.
-Its input is a ``(batch, seq, d_model)`` activation tensor, so the figures measure the blocks
-alone (no embedding or vocabulary projection).
+Its input and output are ``(batch, seq, d_model)`` residual-stream tensors, so the figures
+measure the blocks alone (no embedding, final norm or vocabulary projection).
 """
 
 from __future__ import annotations
@@ -65,12 +65,11 @@ class GPT(nn.Module):
         if d_model % heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
         self.blocks = nn.ModuleList(Block(d_model, heads, hidden) for _ in range(layers))
-        self.norm = RMSNorm(d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
-        return self.norm(x)
+        return x
 
 
 @dataclasses.dataclass(frozen=True)

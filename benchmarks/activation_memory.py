@@ -1,0 +1,412 @@
+"""Every way users save activation memory today, side by side with storm, on one GPU in one run.
+
+For each configuration and method: warm-up steps, then fw+bw steps timed with CUDA events
+(median), activation memory (allocated at the end of the forward above weights and input, the
+output included: what the step holds for the backward), peak memory of the step (same baseline,
+after ``reset_peak_memory_stats``), pinned host memory in use, and the relative gradient error
+against torch.compile. ``--profile`` adds, per profiled method, the compute stream's busy
+fraction, D2H and H2D copy time and the fraction of copy time overlapping compute kernels.
+
+    python -m benchmarks.activation_memory --quick --out DIR      # smallest configuration
+    python -m benchmarks.activation_memory --configs wide --methods compile,storm --profile storm
+    python -m benchmarks.activation_memory --smoke --out DIR      # CPU: the harness itself
+
+Writes ``results.md`` (tabulate, ratios against torch.compile of the same run), ``results.json``
+(every raw number and the environment) and, with matplotlib, ``pareto_<config>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.utils.checkpoint
+from tabulate import tabulate
+from torch import nn
+
+from benchmarks.trace_analysis import analyse
+from storm_compile import storm
+from storm_compile.config import PRESETS
+from storm_compile.models import GPT, GPTShape, build_gpt
+from storm_compile.runtime import get_runtime
+
+GIB = float(1 << 30)
+EXIT_NO_CUDA = 2
+LINK_PROBE_BYTES = 256 << 20
+"""Size of the copies that measure the link at start: large enough to be bandwidth-bound
+(a 64 MiB copy already runs at full rate on the H100)."""
+REFERENCE = "compile"
+
+CONFIGS: dict[str, GPTShape] = {
+    "d2048-T2048-L8-B4": GPTShape(d_model=2048, layers=8, heads=16, seq=2048, batch=4,
+                                  dtype="bfloat16"),
+    "d4096-T4096-L4-B2": GPTShape(d_model=4096, layers=4, heads=32, seq=4096, batch=2,
+                                  dtype="bfloat16"),
+    "d2048-T16384-L4-B1": GPTShape(d_model=2048, layers=4, heads=16, seq=16384, batch=1,
+                                   dtype="bfloat16"),
+    "wide": GPTShape(d_model=8192, layers=4, heads=64, seq=4096, batch=1, hidden=28672,
+                     dtype="bfloat16"),
+}
+QUICK_CONFIG = "d2048-T2048-L8-B4"
+SMOKE_CONFIG = GPTShape(d_model=64, layers=2, heads=4, seq=64, batch=2, dtype="float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """How one method runs a step: wrap the model once, and a context around each step."""
+
+    name: str
+    wrap: Callable[[GPT], Callable[[torch.Tensor], torch.Tensor]]
+    step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def _checkpointed(model: GPT) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for block in model.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+    return forward
+
+
+def _with_budget(budget: float) -> Callable[[], contextlib.AbstractContextManager]:
+    return lambda: torch._functorch.config.patch(activation_memory_budget=budget)
+
+
+def _save_on_cpu() -> contextlib.AbstractContextManager:
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+def _storm_method(name: str, options: dict, cpu: bool) -> Method:
+    options = {**options, "transfer_cpu_tensors": True} if cpu else options
+    return Method(name, lambda m: torch.compile(m, backend=storm(**options)))
+
+
+def methods(cpu: bool = False) -> dict[str, Method]:
+    """The anchor methods, then one storm method per preset the backend offers."""
+    table = [
+        Method("eager", lambda m: m),
+        Method("compile", lambda m: torch.compile(m)),
+        Method("checkpoint", _checkpointed),
+        Method("compile-budget-0.5", lambda m: torch.compile(m), _with_budget(0.5)),
+        Method("compile-budget-0.1", lambda m: torch.compile(m), _with_budget(0.1)),
+        Method("save_on_cpu", lambda m: m, _save_on_cpu),
+    ]
+    table += [_storm_method(name, options, cpu) for name, options in PRESETS.items()]
+    return {m.name: m for m in table}
+
+
+def parse_config(text: str) -> GPTShape:
+    """``d_model=1024,layers=4,heads=8,seq=2048,batch=2[,hidden=N][,dtype=bfloat16]``."""
+    fields = {f.name: f for f in dataclasses.fields(GPTShape)}
+    values = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise ValueError(f"--config item {item!r}: expected key=value with key in "
+                             f"{', '.join(fields)}")
+        values[key] = value.strip() if key == "dtype" else int(value)
+    return GPTShape(**{**dataclasses.asdict(GPTShape(dtype="bfloat16")), **values})
+
+
+class _Device:
+    """Memory and timing on CUDA; on the CPU (smoke mode) memory reads as None."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def allocated(self) -> int | None:
+        return torch.cuda.memory_allocated() if self.cuda else None
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated() if self.cuda else None
+
+    def pinned_in_use(self) -> int | None:
+        """Pinned host bytes in use: storm's pool, plus blocks checked out of torch's host
+        allocator (which is where save_on_cpu's copies live)."""
+        if not self.cuda:
+            return None
+        return get_runtime().pool.in_use_bytes() + torch.cuda.host_memory_stats().get(
+            "active_bytes.current", 0)
+
+    def host_allocations(self) -> int | None:
+        """Pinned blocks created so far (each one a cudaHostAlloc)."""
+        return torch.cuda.host_memory_stats().get("num_host_alloc") if self.cuda else None
+
+    @contextlib.contextmanager
+    def timer(self, out: list[float]) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            torch.cuda.synchronize()
+            out.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            yield
+            out.append((time.perf_counter() - begin) * 1e3)
+
+
+def _minus(value: int | None, base: int | None) -> int | None:
+    return None if value is None or base is None else value - base
+
+
+def _gib(value: int | None) -> float | None:
+    return None if value is None else value / GIB
+
+
+def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Path,
+               config_name: str, reference_grads: dict | None) -> dict:
+    """Measure one method; with ``reference_grads`` None, keep its gradients as the reference."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, (x,) = build_gpt(shape, "cuda" if dev.cuda else "cpu")
+    run = method.wrap(model)
+    dev.sync()
+    base, pinned_base = dev.allocated(), dev.pinned_in_use()
+    held: dict[str, int | None] = {}
+
+    def step() -> None:
+        for p in (*model.parameters(), x):
+            p.grad = None
+        with method.step_context():
+            out = run(x)
+            held["device"], held["pinned"] = dev.allocated(), dev.pinned_in_use()
+            out.float().pow(2).mean().backward()
+
+    for _ in range(args.warmup):
+        step()
+    dev.sync()
+    dev.reset_peak()
+    step()
+    dev.sync()
+    peak = dev.peak()
+    allocations_before = dev.host_allocations()
+    times: list[float] = []
+    for _ in range(args.steps):
+        with dev.timer(times):
+            step()
+    allocations_after = dev.host_allocations()
+    result = {
+        "method": method.name, "step_ms": statistics.median(times),
+        "activation_gib": _gib(_minus(held["device"], base)),
+        "peak_gib": _gib(_minus(peak, base)),
+        "pinned_gib": _gib(_minus(held["pinned"], pinned_base)),
+        "pinnings_per_step": _minus(allocations_after, allocations_before) / args.steps
+        if dev.cuda else None,
+    }
+    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+    if reference_grads is not None:
+        result["grad_rel_error"] = _grad_error(grads, reference_grads)
+    if method.name == REFERENCE:
+        result["grads"] = grads
+    if method.name in args.profile:
+        result.update(_profile(step, dev, out_dir / f"trace_{config_name}_{method.name}.json"))
+    return result
+
+
+def _profile(step: Callable[[], object], dev: _Device, trace: Path) -> dict:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dev.cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        dev.sync()
+    prof.export_chrome_trace(str(trace))
+    figures = {"trace": str(trace)}
+    if dev.cuda:
+        overlap = analyse(trace)
+        figures.update(compute_busy_fraction=overlap.compute_busy_fraction,
+                       d2h_ms=overlap.d2h_us / 1e3, h2d_ms=overlap.h2d_us / 1e3,
+                       copy_overlap_fraction=overlap.copy_overlap_fraction)
+    return figures
+
+
+def _grad_error(grads: dict, reference: dict) -> float:
+    """Largest relative error of any parameter gradient, in float32, one parameter at a time."""
+    return max(((grads[n].float() - reference[n].float()).norm()
+                / reference[n].float().norm().clamp_min(1e-30)).item() for n in reference)
+
+
+def _link_bandwidth() -> dict:
+    host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device="cuda")
+    figures = {}
+    for name, dst, src in (("h2d_gbps", device, host), ("d2h_gbps", host, device)):
+        dst.copy_(src, non_blocking=True)
+        times: list[float] = []
+        for _ in range(5):
+            with _Device("cuda").timer(times):
+                dst.copy_(src, non_blocking=True)
+        figures[name] = LINK_PROBE_BYTES / (statistics.median(times) / 1e3) / 1e9
+    return figures
+
+
+def run_config(name: str, shape: GPTShape, chosen: list[Method], dev: _Device, args,
+               out_dir: Path) -> list[dict]:
+    rows = []
+    reference_grads = None
+    for method in chosen:
+        try:
+            rows.append(run_method(method, shape, dev, args, out_dir, name, reference_grads))
+            if method.name == REFERENCE:
+                reference_grads = rows[-1].pop("grads")
+        except Exception as error:  # a failing method is reported in its row; the run goes on
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            rows.append({"method": method.name, "error": f"{type(error).__name__}: {first_line}"})
+        finally:
+            if dev.cuda:
+                torch.cuda.empty_cache()
+        print(f"[{name}] {rows[-1]['method']}: "
+              f"{rows[-1].get('error') or '%.2f ms' % rows[-1]['step_ms']}", flush=True)
+    return rows
+
+
+def _ratio(value, reference):
+    return None if value is None or not reference else value / reference
+
+
+def markdown(results: dict) -> str:
+    parts = []
+    for name, rows in results["configs"].items():
+        ref = next((r for r in rows if r["method"] == REFERENCE and "step_ms" in r), {})
+        table = []
+        for r in rows:
+            if "error" in r:
+                table.append({"method": r["method"], "error": r["error"]})
+                continue
+            table.append({
+                "method": r["method"], "step ms": r["step_ms"],
+                "step ×": _ratio(r["step_ms"], ref.get("step_ms")),
+                "act GiB": r["activation_gib"],
+                "act ×": _ratio(r["activation_gib"], ref.get("activation_gib")),
+                "peak GiB": r["peak_gib"], "peak ×": _ratio(r["peak_gib"], ref.get("peak_gib")),
+                "pinned GiB": r["pinned_gib"], "pins/step": r["pinnings_per_step"],
+                "grad err": r.get("grad_rel_error"),
+                "busy": r.get("compute_busy_fraction"),
+                "copy overlap": r.get("copy_overlap_fraction"),
+            })
+        parts.append(f"### {name}\n\n" + tabulate(table, headers="keys", tablefmt="github",
+                                                    floatfmt=".3g", missingval="") + "\n")
+    return "\n".join(parts)
+
+
+def plot(results: dict, out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, rows in results["configs"].items():
+        ref = next((r for r in rows if r["method"] == REFERENCE and "step_ms" in r), None)
+        points = [r for r in rows if "step_ms" in r and r.get("activation_gib") is not None]
+        if ref is None or not points:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in points:
+            x, y = r["activation_gib"] / ref["activation_gib"], r["step_ms"] / ref["step_ms"]
+            ax.scatter(x, y)
+            ax.annotate(r["method"], (x, y), fontsize=7)
+        ax.set_xlabel("activation memory / torch.compile")
+        ax.set_ylabel("step time / torch.compile")
+        ax.set_title(name)
+        path = out_dir / f"pareto_{name}.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=None,
+                        help=f"comma-separated names from {', '.join(CONFIGS)} (default: all)")
+    parser.add_argument("--config", action="append", default=[], type=parse_config,
+                        help="an extra configuration, d_model=..,layers=..,heads=..,seq=..,"
+                             "batch=..[,hidden=..][,dtype=..]")
+    parser.add_argument("--methods", default=None, help="comma-separated (default: all)")
+    parser.add_argument("--profile", default="", help="comma-separated methods to profile")
+    parser.add_argument("--quick", action="store_true", help=f"only {QUICK_CONFIG}")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU smoke test of the harness: tiny model, two steps")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = parser.parse_args(argv)
+    args.profile = [m for m in args.profile.split(",") if m]
+    return args
+
+
+def _select(args, cpu: bool) -> tuple[dict[str, GPTShape], list[Method]]:
+    available = methods(cpu=cpu)
+    names = args.methods.split(",") if args.methods else list(available)
+    unknown = [n for n in names + args.profile if n not in available]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; known: {', '.join(available)}")
+    names = [REFERENCE] + [n for n in names if n != REFERENCE]
+    if args.smoke:
+        return {"smoke": SMOKE_CONFIG}, [available[n] for n in names]
+    config_names = [QUICK_CONFIG] if args.quick else (
+        args.configs.split(",") if args.configs else ([] if args.config else list(CONFIGS)))
+    unknown = [n for n in config_names if n not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    configs = {n: CONFIGS[n] for n in config_names}
+    for shape in args.config:
+        configs[f"d{shape.d_model}-T{shape.seq}-L{shape.layers}-B{shape.batch}"] = shape
+    return configs, [available[n] for n in names]
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.smoke:
+        args.warmup, args.steps = 1, 2
+        dev = _Device("cpu")
+    elif not torch.cuda.is_available():
+        print("activation_memory: no CUDA device; the GPU benchmark needs one "
+              "(--smoke runs the harness on the CPU)", file=sys.stderr)
+        return EXIT_NO_CUDA
+    else:
+        dev = _Device("cuda")
+    configs, chosen = _select(args, cpu=not dev.cuda)
+    args.out.mkdir(parents=True, exist_ok=True)
+    environment = {"torch": torch.__version__, "python": platform.python_version(),
+                   "device": torch.cuda.get_device_name() if dev.cuda else platform.processor()}
+    if dev.cuda:
+        environment["link"] = _link_bandwidth()
+    results = {"environment": environment, "configs": {}}
+    for name, shape in configs.items():
+        results["configs"][name] = run_config(name, shape, chosen, dev, args, args.out)
+        results.setdefault("shapes", {})[name] = dataclasses.asdict(shape)
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    table = markdown(results)
+    (args.out / "results.md").write_text(table)
+    plot(results, args.out)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The benchmark harness: its CPU smoke mode, method discovery, and the trace overlap maths."""
+
+import json
+
+import pytest
+
+from benchmarks import activation_memory
+from benchmarks.trace_analysis import analyse
+from storm_compile.config import PRESETS
+
+
+def test_smoke_writes_table_and_json(tmp_path):
+    assert activation_memory.main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["configs"]["smoke"]
+    assert sorted(r["method"] for r in rows) == sorted(activation_memory.methods(cpu=True))
+    assert rows[0]["method"] == activation_memory.REFERENCE
+    assert not [r for r in rows if "error" in r]
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert all(r["grad_rel_error"] < 1e-3 for r in rows if r["method"] != "compile")
+    table = (tmp_path / "results.md").read_text()
+    assert "| storm " in table and "step ×" in table
+
+
+def test_every_storm_preset_is_a_method():
+    names = set(activation_memory.methods())
+    assert set(PRESETS) <= names
+    assert {"eager", "compile", "checkpoint", "compile-budget-0.5", "compile-budget-0.1",
+            "save_on_cpu"} <= names
+
+
+def test_failing_method_is_reported_and_run_continues(tmp_path, monkeypatch):
+    def broken(model):
+        raise RuntimeError("out of memory\nmore detail")
+
+    table = activation_memory.methods(cpu=True)
+    table["eager"] = activation_memory.Method("eager", broken)
+    monkeypatch.setattr(activation_memory, "methods", lambda cpu=False: table)
+    assert activation_memory.main(["--smoke", "--methods", "eager,storm",
+                                   "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["configs"]["smoke"]
+    assert [r["method"] for r in rows] == ["compile", "eager", "storm"]
+    assert rows[1]["error"] == "RuntimeError: out of memory"
+    assert "step_ms" in rows[2]
+
+
+def test_no_cuda_exits_2(capsys):
+    assert activation_memory.main(["--quick"]) == activation_memory.EXIT_NO_CUDA
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_parse_config():
+    shape = activation_memory.parse_config("d_model=1024,layers=3,heads=8,seq=256,batch=2")
+    assert (shape.d_model, shape.layers, shape.seq, shape.dtype) == (1024, 3, 256, "bfloat16")
+    with pytest.raises(ValueError, match="expected key=value"):
+        activation_memory.parse_config("depth=3")
+
+
+def _event(cat, name, ts, dur, stream):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_overlap_maths(tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        _event("kernel", "gemm", 0, 100, 7),
+        _event("kernel", "gemm", 150, 50, 7),
+        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 50, 100, 20),  # 50 of 100 hidden
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 180, 40, 21),  # 20 of 40 hidden
+    ]}))
+    overlap = analyse(trace)
+    assert overlap.step_us == 220
+    assert overlap.compute_stream == 7 and overlap.copy_streams == (20, 21)
+    assert overlap.d2h_us == 100 and overlap.h2d_us == 40
+    assert overlap.compute_busy_fraction == pytest.approx(150 / 220)
+    assert overlap.copy_overlap_fraction == pytest.approx(70 / 140)

@@ -1,7 +1,7 @@
 """Built-in models, and loading of user models given as ``path/to/file.py:factory``.
 
-``gpt`` is the stack the benchmarks measure: pre-norm transformer blocks with RMSNorm, a fused
-QKV projection, causal ``scaled_dot_product_attention``, an output projection and a SwiGLU MLP.
+``gpt`` is the stack the benchmarks measure: pre-norm transformer blocks with ``nn.RMSNorm``, a
+fused QKV projection, causal ``scaled_dot_product_attention``, an output projection and a SwiGLU MLP.
 Its input and output are ``(batch, seq, d_model)`` residual-stream tensors, so the figures
 measure the blocks alone (no embedding, final norm or vocabulary projection).
 """
@@ -27,25 +27,14 @@ def swiglu_hidden(d_model: int) -> int:
     return FFN_MULTIPLE * math.ceil(8 * d_model / 3 / FFN_MULTIPLE)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
-
-
 class Block(nn.Module):
     def __init__(self, d_model: int, heads: int, hidden: int) -> None:
         super().__init__()
         self.heads = heads
-        self.attn_norm = RMSNorm(d_model)
+        self.attn_norm = nn.RMSNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
-        self.mlp_norm = RMSNorm(d_model)
+        self.mlp_norm = nn.RMSNorm(d_model)
         self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, d_model, bias=False)
 

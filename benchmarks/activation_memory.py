@@ -60,13 +60,36 @@ QUICK_CONFIG = "d2048-T2048-L8-B4"
 SMOKE_CONFIG = GPTShape(d_model=64, layers=2, heads=4, seq=64, batch=2, dtype="float32")
 
 
+def _no_pinned_memory() -> int:
+    return 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """How one method runs a step: wrap the model once, and a context around each step."""
+    """How one method runs a step: wrap the model once, a context around each step, and how
+    many pinned host bytes it holds for the backward."""
 
     name: str
     wrap: Callable[[GPT], Callable[[torch.Tensor], torch.Tensor]]
     step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    pinned_bytes: Callable[[], int] = _no_pinned_memory
+
+
+class _CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+    """``save_on_cpu(pin_memory=True)`` that counts the bytes it moves to the host."""
+
+    packed_bytes = 0
+
+    def __init__(self) -> None:
+        super().__init__(pin_memory=torch.cuda.is_available())
+        type(self).packed_bytes = 0
+        pack = self.pack_hook
+
+        def counting_pack(tensor: torch.Tensor):
+            type(self).packed_bytes += tensor.numel() * tensor.element_size()
+            return pack(tensor)
+
+        self.pack_hook = counting_pack
 
 
 def _checkpointed(model: GPT) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -82,13 +105,14 @@ def _with_budget(budget: float) -> Callable[[], contextlib.AbstractContextManage
     return lambda: torch._functorch.config.patch(activation_memory_budget=budget)
 
 
-def _save_on_cpu() -> contextlib.AbstractContextManager:
-    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+def _storm_pool_bytes() -> int:
+    return get_runtime().pool.in_use_bytes()
 
 
 def _storm_method(name: str, options: dict, cpu: bool) -> Method:
     options = {**options, "transfer_cpu_tensors": True} if cpu else options
-    return Method(name, lambda m: torch.compile(m, backend=storm(**options)))
+    return Method(name, lambda m: torch.compile(m, backend=storm(**options)),
+                  pinned_bytes=_storm_pool_bytes)
 
 
 def methods(cpu: bool = False) -> dict[str, Method]:
@@ -99,7 +123,8 @@ def methods(cpu: bool = False) -> dict[str, Method]:
         Method("checkpoint", _checkpointed),
         Method("compile-budget-0.5", lambda m: torch.compile(m), _with_budget(0.5)),
         Method("compile-budget-0.1", lambda m: torch.compile(m), _with_budget(0.1)),
-        Method("save_on_cpu", lambda m: m, _save_on_cpu),
+        Method("save_on_cpu", lambda m: m, _CountingSaveOnCpu,
+               lambda: _CountingSaveOnCpu.packed_bytes),
     ]
     table += [_storm_method(name, options, cpu) for name, options in PRESETS.items()]
     return {m.name: m for m in table}
@@ -139,14 +164,6 @@ class _Device:
     def peak(self) -> int | None:
         return torch.cuda.max_memory_allocated() if self.cuda else None
 
-    def pinned_in_use(self) -> int | None:
-        """Pinned host bytes in use: storm's pool, plus blocks checked out of torch's host
-        allocator (which is where save_on_cpu's copies live)."""
-        if not self.cuda:
-            return None
-        return get_runtime().pool.in_use_bytes() + torch.cuda.host_memory_stats().get(
-            "active_bytes.current", 0)
-
     def host_allocations(self) -> int | None:
         """Pinned blocks created so far (each one a cudaHostAlloc)."""
         return torch.cuda.host_memory_stats().get("num_host_alloc") if self.cuda else None
@@ -182,7 +199,7 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
     model, (x,) = build_gpt(shape, "cuda" if dev.cuda else "cpu")
     run = method.wrap(model)
     dev.sync()
-    base, pinned_base = dev.allocated(), dev.pinned_in_use()
+    base = dev.allocated()
     held: dict[str, int | None] = {}
 
     def step() -> None:
@@ -190,7 +207,7 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
             p.grad = None
         with method.step_context():
             out = run(x)
-            held["device"], held["pinned"] = dev.allocated(), dev.pinned_in_use()
+            held["device"], held["pinned"] = dev.allocated(), method.pinned_bytes()
             out.float().pow(2).mean().backward()
 
     for _ in range(args.warmup):
@@ -210,7 +227,7 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
         "method": method.name, "step_ms": statistics.median(times),
         "activation_gib": _gib(_minus(held["device"], base)),
         "peak_gib": _gib(_minus(peak, base)),
-        "pinned_gib": _gib(_minus(held["pinned"], pinned_base)),
+        "pinned_gib": _gib(held["pinned"]),
         "pinnings_per_step": _minus(allocations_after, allocations_before) / args.steps
         if dev.cuda else None,
     }

@@ -3,7 +3,8 @@
 from storm_compile.passes.annotate_costs import annotate_costs
 from storm_compile.passes.insert_transfers import insert_transfers
 from storm_compile.passes.plan_offload import plan_offload
+from storm_compile.passes.schedule_transfers import schedule_transfers
 from storm_compile.passes.verify import StormVerificationError, verify_graphs
 
-__all__ = ["annotate_costs", "plan_offload", "insert_transfers", "verify_graphs",
-           "StormVerificationError"]
+__all__ = ["annotate_costs", "plan_offload", "schedule_transfers", "insert_transfers",
+           "verify_graphs", "StormVerificationError"]

@@ -1,7 +1,8 @@
 """Annotate every node of both graphs with its :class:`~storm_compile.graphs.NodeCost`.
 
 Assumes: nodes carry ``meta["val"]`` (fake tensors), as AOTAutograd leaves them.
-Guarantees: every node has ``meta[COST_KEY]``; the graphs are otherwise untouched.
+Guarantees: every node has ``meta[COST_KEY]``: its output bytes, whether it runs on the compute
+stream, and its predicted compute time from ``ctx.cost``; the graphs are otherwise untouched.
 Emits: no nodes.
 """
 
@@ -33,6 +34,8 @@ def _is_compute(node: fx.Node) -> bool:
 def annotate_costs(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     for gm in (graphs.forward, graphs.backward):
         for node in gm.graph.nodes:
-            node.meta[COST_KEY] = NodeCost(output_bytes=_output_bytes(node),
-                                           is_compute=_is_compute(node))
+            is_compute = _is_compute(node)
+            node.meta[COST_KEY] = NodeCost(
+                output_bytes=_output_bytes(node), is_compute=is_compute,
+                compute_s=ctx.cost.compute_seconds(node) if is_compute else 0.0)
     return graphs

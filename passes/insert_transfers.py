@@ -1,6 +1,7 @@
 """Rewrite both graphs so every storage the planner chose to offload crosses the link.
 
-Assumes: ``plan_offload`` wrote an ``OffloadDecision`` on every saved forward value.
+Assumes: ``plan_offload`` wrote an ``OffloadDecision`` on every saved forward value and
+``schedule_transfers`` placed every ``offload`` one (``wait_after``, ``prefetch_after``).
 Guarantees: for each offloaded storage, owned by forward node ``r`` and saved as values
 ``m1..mk`` (``r`` itself or views of it; backward inputs ``h1..hk``):
 
@@ -9,17 +10,18 @@ Forward (``r``'s storage no longer leaves the forward on the device)::
     r = producer(...)
     r_host       = storm.offload(r, host_limit)       # right after the producer
     r_host_ready = storm.record_event(r_host)
-    ...          # offload_wait_distance compute nodes, and at least every forward use of r
-                 # or of a view of r
+    ...
+    wait_after_node(...)
     r_host_done  = storm.wait_event(r_host_ready, r)  # r's last use: its memory is released
     return (..., r_host_done, ..., r_host_done, ...)  # in place of each of m1..mk
 
 Backward (each of ``h1..hk`` now holds the host copy; only ``h1`` is read)::
 
-    r_dev       = storm.prefetch(h1, device)          # prefetch_distance compute nodes before
-    r_dev_ready = storm.record_event(r_dev)           # the first use of any of h1..hk, never
-    ...                                               # above a placeholder
-    r_dev_done  = storm.wait_event(r_dev_ready, h1)   # right before that first use
+    prefetch_after_node(...)                          # or the last graph input
+    r_dev       = storm.prefetch(h1, device)
+    r_dev_ready = storm.record_event(r_dev)
+    ...
+    r_dev_done  = storm.wait_event(r_dev_ready, h1)   # right before the first use of h1..hk
     mi = <the forward's view ops from r to mi, replayed on r_dev_done>   # for each i
     first_use(...)                                    # every former use of hi reads mi
 
@@ -39,7 +41,6 @@ from torch.utils._pytree import tree_leaves
 
 from storm_compile import ops
 from storm_compile.graphs import (
-    COST_KEY,
     DECISION_KEY,
     PassContext,
     StormGraphs,
@@ -69,46 +70,32 @@ def _emit(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> f
     return node
 
 
-def _compute_nodes(graph: fx.Graph) -> list[fx.Node]:
-    return [n for n in graph.nodes if COST_KEY in n.meta and n.meta[COST_KEY].is_compute]
+def _node(graph: fx.Graph, name: str) -> fx.Node:
+    return next(n for n in graph.nodes if n.name == name)
 
 
-def _alias_class(graph: fx.Graph, root: fx.Node) -> list[fx.Node]:
-    return [n for n in graph.nodes if alias_root(n) is root]
-
-
-def _offload_in_forward(graph: fx.Graph, root: fx.Node, ctx: PassContext) -> fx.Node:
-    forward_users = [u for n in _alias_class(graph, root) for u in n.users if u.op != "output"]
+def _offload_in_forward(graph: fx.Graph, root: fx.Node, wait_after: str,
+                        ctx: PassContext) -> fx.Node:
     with graph.inserting_after(root):
         host = _emit(graph, ops.offload, (root, ctx.config.host_memory_limit))
     with graph.inserting_after(host):
         ready = _emit(graph, ops.record_event, (host,))
-
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    compute_after = [n for n in _compute_nodes(graph) if order[n] > order[ready]]
-    distance = min(ctx.config.offload_wait_distance, len(compute_after))
-    anchors = [ready, *forward_users] + ([compute_after[distance - 1]] if distance else [])
-    with graph.inserting_after(max(anchors, key=order.__getitem__)):
+    anchor = _node(graph, wait_after)
+    with graph.inserting_after(ready if anchor is root else anchor):
         return _emit(graph, ops.wait_event, (ready, root))
 
 
 def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
-                          device: torch.device, ctx: PassContext) -> None:
-    """``members`` maps each backward input of the storage to its forward view chain's end."""
+                          prefetch_after: str | None, device: torch.device) -> None:
+    """``members`` maps each backward input of the storage to the saved forward value."""
     placeholders = list(members)
     source = placeholders[0]
     users = {h: list(h.users) for h in placeholders}
     order = {n: i for i, n in enumerate(graph.nodes)}
     first_use = min((u for us in users.values() for u in us), key=order.__getitem__)
-    compute_before = [n for n in _compute_nodes(graph) if order[n] < order[first_use]]
-    distance = ctx.config.prefetch_distance
-    if distance == 0:
-        issue = graph.inserting_before(first_use)
-    elif len(compute_before) > distance:
-        issue = graph.inserting_after(compute_before[-distance - 1])
-    else:
-        issue = graph.inserting_after(graph.find_nodes(op="placeholder")[-1])
-    with issue:
+    anchor = graph.find_nodes(op="placeholder")[-1] if prefetch_after is None \
+        else _node(graph, prefetch_after)
+    with graph.inserting_after(anchor):
         dev = _emit(graph, ops.prefetch, (source, device))
     with graph.inserting_after(dev):
         ready = _emit(graph, ops.record_event, (dev,))
@@ -130,13 +117,15 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             groups[alias_root(node)].append(node)
     out = output_node(graphs.forward)
     for root, saved in groups.items():
-        done = _offload_in_forward(graphs.forward.graph, root, ctx)
+        decision = saved[0].meta[DECISION_KEY]
+        done = _offload_in_forward(graphs.forward.graph, root, decision.wait_after, ctx)
         out.args = (tuple(done if n in saved else n for n in out.args[0]),)
         members = {backward_placeholder(graphs, m): m for m in saved}
         for h in members:
             h.meta["val"] = done.meta["val"]
             h.meta.pop("tensor_meta", None)
-        _prefetch_in_backward(graphs.backward.graph, members, root.meta["val"].device, ctx)
+        _prefetch_in_backward(graphs.backward.graph, members, decision.prefetch_after,
+                              root.meta["val"].device)
         for member in saved:
             for view in reversed(view_chain(member)):
                 if not view.users:

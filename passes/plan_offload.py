@@ -38,7 +38,7 @@ from storm_compile.graphs import (
     view_chain,
 )
 
-OFFLOAD_REASON = "eligible: every eligible storage is offloaded"
+OFFLOAD_REASON = "can be offloaded"
 
 
 def _replayable(member: fx.Node) -> bool:

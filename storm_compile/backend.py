@@ -19,7 +19,9 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
-from storm_compile.config import StormConfig
+from storm_compile.calibrate import profile_for
+from storm_compile.config import StormConfig, StormOptionError
+from storm_compile.cost_model import CostModel
 from storm_compile.graphs import PassContext, StormGraphs
 from storm_compile.pipeline import storm_partition
 
@@ -33,19 +35,20 @@ _SOURCE_FILES = tuple(sorted(str(p) for d in (_PACKAGE_DIR, _PACKAGE_DIR / "pass
 class StormPartitioner(CustomPartitionerFn):
     """AOTAutograd partition function: the default min-cut split, then storm's passes."""
 
-    def __init__(self, config: StormConfig,
+    def __init__(self, ctx: PassContext,
                  observer: Callable[[StormGraphs], None] | None = None) -> None:
-        self.config = config
+        self.ctx = ctx
         self.observer = observer
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs: Any):
-        return storm_partition(joint, joint_inputs, ctx=PassContext(self.config),
-                               observer=self.observer, **kwargs)
+        return storm_partition(joint, joint_inputs, ctx=self.ctx, observer=self.observer,
+                               **kwargs)
 
     def uuid(self) -> Any:
-        if self.observer is not None:
+        if self.observer is not None or self.ctx.cost.override is not None:
             return None
-        return (get_hash_for_files(_SOURCE_FILES), repr(self.config))
+        return (get_hash_for_files(_SOURCE_FILES), repr(self.ctx.config),
+                repr(self.ctx.cost.profile))
 
 
 def _needs_backward(example_inputs: list[Any]) -> bool:
@@ -54,12 +57,22 @@ def _needs_backward(example_inputs: list[Any]) -> bool:
 
 
 class StormBackend:
-    """A configured storm backend; call it as ``torch.compile`` calls backends."""
+    """A configured storm backend; call it as ``torch.compile`` calls backends.
+
+    ``observer`` receives the rewritten graphs of every compiled region (the CLI and tests use
+    it); ``cost_override(node)`` may return measured seconds for a node, or None for the model.
+    """
 
     def __init__(self, config: StormConfig,
-                 observer: Callable[[StormGraphs], None] | None = None) -> None:
+                 observer: Callable[[StormGraphs], None] | None = None,
+                 cost_override: Callable[[fx.Node], float | None] | None = None) -> None:
         self.config = config
-        self.partitioner = StormPartitioner(config, observer)
+        try:
+            profile = profile_for(config.profile)
+        except ValueError as error:
+            raise StormOptionError(f"storm option 'profile': {error}") from error
+        self.ctx = PassContext(config, CostModel(profile, cost_override))
+        self.partitioner = StormPartitioner(self.ctx, observer)
 
     def __repr__(self) -> str:
         return f"StormBackend({self.config})"

@@ -1,9 +1,12 @@
 """``storm``: command-line entry point.
 
-``storm schedule MODEL`` compiles MODEL with storm, runs one forward and backward, and prints
-both rewritten graphs in execution order with the inserted transfer nodes, their streams and
-events. Without CUDA the model runs on the CPU and activations are planned as on a GPU (the
-transfers are plain copies there), so the schedule can be read on any machine.
+``storm schedule MODEL`` traces MODEL's forward and backward with fake tensors (no real compute,
+no GPU, any size), runs storm's passes with a device profile, and prints both rewritten graphs
+in execution order: streams, events, predicted compute and transfer times and device memory,
+with the predicted step against the same graphs without storm underneath. The tensors live on
+the CPU while tracing, so activations are planned as they would be on the profile's GPU.
+
+``storm calibrate`` measures the present GPU into a profile JSON.
 """
 
 from __future__ import annotations
@@ -14,19 +17,28 @@ import json
 import sys
 from collections.abc import Sequence
 
-import torch
-from torch.utils._pytree import tree_leaves
+from pathlib import Path
 
-from storm_compile.backend import StormBackend
+import torch
+from torch import nn
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from storm_compile.backend import StormPartitioner
+from storm_compile.calibrate import cache_path, calibrate
 from storm_compile.config import StormConfig, StormOptionError
-from storm_compile.graphs import StormGraphs
+from storm_compile.cost_model import CostModel, resolve_profile
+from storm_compile.graphs import PassContext, StormGraphs
 from storm_compile.models import BUILTIN_MODELS, GPTShape, ModelSpecError, build_gpt, load_factory
-from storm_compile.schedule import format_table, schedule_rows, summary
+from storm_compile.schedule import annotate, chrome_trace, format_table
 
 EXIT_USAGE = 2
 """Exit status for bad input (argparse's convention)."""
 
 _GPT_KNOBS = ("d_model", "layers", "heads", "seq", "batch", "hidden", "dtype")
+DEFAULT_PROFILE = "h100"
+"""The GPU the project's anchors were measured on."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,66 +53,102 @@ def _parser() -> argparse.ArgumentParser:
         schedule.add_argument(f"--{knob.replace('_', '-')}", default=None,
                               type=str if knob == "dtype" else int,
                               help=f"gpt only (default {getattr(defaults, knob)})")
-    schedule.add_argument("--device", default=None,
-                          help="device to run on (default: cuda if available, else cpu)")
-    schedule.add_argument("--min-offload-bytes", type=int, default=None,
-                          help="smallest activation worth offloading (storm option)")
+    schedule.add_argument("--profile", default=DEFAULT_PROFILE,
+                          help=f"device profile: a built-in name or a JSON path "
+                               f"(default {DEFAULT_PROFILE})")
+    schedule.add_argument("--offload", choices=("hidden", "all"), default=None,
+                          help="storm option offload")
+    schedule.add_argument("--min-offload-bytes", default=None,
+                          help="storm option min_offload_bytes (bytes or e.g. 4MiB)")
     schedule.add_argument("--format", choices=("table", "json"), default="table")
+    schedule.add_argument("--trace", type=Path, default=None,
+                          help="write the predicted timeline as a Chrome/Perfetto trace JSON")
+    calibrate_cmd = commands.add_parser("calibrate", help="measure the present GPU into a profile")
+    calibrate_cmd.add_argument("--out", type=Path, default=None,
+                               help="profile JSON to write (default: the backend's cache)")
     return parser
 
 
-def _build(args: argparse.Namespace, device: str):
+class _TupleOutput(nn.Module):
+    """AOTAutograd traces modules whose forward returns a tuple."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        out = self.model(*inputs)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _build(args: argparse.Namespace, fake_mode: FakeTensorMode):
     knobs = {k: getattr(args, k) for k in _GPT_KNOBS if getattr(args, k) is not None}
     if args.model == "gpt":
         if "dtype" in knobs and not isinstance(getattr(torch, knobs["dtype"], None), torch.dtype):
             raise ModelSpecError(f"--dtype {knobs['dtype']!r} is not a torch dtype")
-        return build_gpt(dataclasses.replace(GPTShape(), **knobs), device)
+        with fake_mode:
+            return build_gpt(dataclasses.replace(GPTShape(), **knobs))
     if knobs:
         raise ModelSpecError(f"--{next(iter(knobs)).replace('_', '-')} applies to the built-in "
                              f"gpt model only")
     model, inputs = load_factory(args.model)
-    return model.to(device), tuple(t.to(device) if isinstance(t, torch.Tensor) else t
-                                   for t in inputs)
+    return model, tuple(fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                        for t in inputs)
 
 
-def _capture(model, inputs, config: StormConfig) -> StormGraphs:
+def _trace(args: argparse.Namespace, ctx: PassContext) -> StormGraphs:
+    """Trace forward and backward with fake tensors and run storm's passes on them."""
     captured: list[StormGraphs] = []
-    compiled = torch.compile(model, backend=StormBackend(config, observer=captured.append))
-    outputs = compiled(*inputs)
-    loss = sum(t.float().sum() for t in tree_leaves(outputs)
-               if isinstance(t, torch.Tensor) and t.requires_grad)
-    if not captured or not isinstance(loss, torch.Tensor):
-        raise ModelSpecError("the model produced no output that requires grad, so there is no "
-                             "backward to schedule")
-    loss.backward()
-    if len(captured) > 1:
-        print(f"storm: the model compiled into {len(captured)} graphs (graph breaks); "
-              f"showing the first", file=sys.stderr)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model, inputs = _build(args, fake_mode)
+    with fake_mode:
+        aot_module_simplified(_TupleOutput(model), inputs, fw_compiler=boxed_nop,
+                              bw_compiler=boxed_nop,
+                              partition_fn=StormPartitioner(ctx, observer=captured.append))
+    if not captured:
+        raise ModelSpecError("no input or parameter of the model requires grad, so there is "
+                             "no backward to schedule")
     return captured[0]
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    options = {"inner": "eager", "transfer_cpu_tensors": device == "cpu"}
-    if args.min_offload_bytes is not None:
-        options["min_offload_bytes"] = args.min_offload_bytes
+    options = {"inner": "eager", "transfer_cpu_tensors": True}
+    for name in ("offload", "min_offload_bytes"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     config = StormConfig.from_options(**options)
-    model, inputs = _build(args, device)
-    graphs = _capture(model, inputs, config)
+    try:
+        cost = CostModel(resolve_profile(args.profile))
+    except ValueError as error:
+        raise StormOptionError(str(error)) from error
+    graphs = _trace(args, PassContext(config, cost))
+    annotated = annotate(graphs, cost)
+    prediction = annotated.pop("prediction")
+    if args.trace is not None:
+        args.trace.write_text(json.dumps(chrome_trace(prediction)))
     if args.format == "json":
-        print(json.dumps({"nodes": [dataclasses.asdict(r) for r in schedule_rows(graphs)],
-                          "summary": summary(graphs)}, indent=1))
+        print(json.dumps(annotated, indent=1))
     else:
-        if device == "cpu":
-            print("# on cpu: activations planned as on a GPU; transfers run as plain copies\n")
-        print(format_table(graphs))
+        print(format_table(annotated))
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise StormOptionError("calibrate needs a CUDA device; none is available")
+    profile = calibrate()
+    path = args.out or cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.to_json(path)
+    print(json.dumps(dataclasses.asdict(profile), indent=1))
+    print(f"written to {path}", file=sys.stderr)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return _schedule(args)
+        return _schedule(args) if args.command == "schedule" else _calibrate(args)
     except (ModelSpecError, StormOptionError) as error:
         print(f"storm: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -19,17 +19,16 @@ DEFAULT_MIN_OFFLOAD_BYTES = 1 * MIB
 (a 64 KiB copy takes 25 µs, a 4 MiB one 90 µs), so below ~1 MiB the link time spent per byte
 freed is several times the bandwidth cost, and the bytes saved are negligible."""
 
-DEFAULT_PREFETCH_DISTANCE = 4
-"""Backward compute nodes between a prefetch and the first use of its tensor."""
-
-DEFAULT_OFFLOAD_WAIT_DISTANCE = 4
-"""Forward compute nodes between an offload and the compute stream's wait on its copy."""
+DEFAULT_PREFETCH_WINDOW_BYTES = 1 * GIB
+"""Prefetched tensors not yet used may hold this much device memory. On the H100 the link
+moves 1 GiB in ~20 ms, more look-ahead than one transformer block's backward needs."""
 
 HOST_MEMORY_FRACTION = 0.5
 """Default cap on pinned host memory, as a fraction of physical RAM: pinned pages cannot be
 swapped, and the data loader and the rest of the process need the other half."""
 
 InnerCompiler = Literal["inductor", "eager"]
+OffloadMode = Literal["hidden", "all"]
 
 PRESETS: dict[str, dict[str, object]] = {
     "storm": {},
@@ -76,12 +75,19 @@ class StormConfig:
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
     """Saved activations smaller than this stay on the GPU."""
 
-    prefetch_distance: int = DEFAULT_PREFETCH_DISTANCE
-    """How many backward compute nodes before its first use each prefetch is issued."""
+    offload: OffloadMode = "hidden"
+    """``"hidden"``: offload only the storages whose copies the cost model predicts to hide
+    under compute, both ways. ``"all"``: every storage that can be offloaded, even when the
+    compute stream has to wait for the link."""
 
-    offload_wait_distance: int = DEFAULT_OFFLOAD_WAIT_DISTANCE
-    """How many forward compute nodes after an offload the compute stream waits for its copy
-    (and so frees the GPU copy). The wait never comes before the activation's last forward use."""
+    profile: str = "auto"
+    """Device profile for the cost model: a built-in name (``h100``, ``h200``, ``a100-pcie``,
+    ``rtx4090``, ``cpu-test``), a path to a profile JSON (``storm calibrate`` writes one), or
+    ``"auto"``: a calibration of the present GPU, measured once and cached on disk
+    (``cpu-test`` without CUDA)."""
+
+    prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES
+    """Device memory that prefetched, not yet used tensors may hold (strings like "2GiB")."""
 
     host_memory_limit: int = 0
     """Cap on pinned host memory held by the pool, in bytes (strings like ``"64GiB"`` accepted).
@@ -100,9 +106,9 @@ class StormConfig:
         if unknown:
             raise StormOptionError(f"unknown storm option(s) {', '.join(map(repr, unknown))}; "
                              f"known options: {', '.join(sorted(fields))}")
-        if "host_memory_limit" in options:
-            options["host_memory_limit"] = parse_bytes(options["host_memory_limit"],
-                                                       "host_memory_limit")
+        for name in ("host_memory_limit", "prefetch_window_bytes", "min_offload_bytes"):
+            if name in options:
+                options[name] = parse_bytes(options[name], name)
         config = cls(**options)
         config._validate()
         if config.host_memory_limit == 0:
@@ -111,12 +117,15 @@ class StormConfig:
         return config
 
     def _validate(self) -> None:
-        allowed_inner = get_args(InnerCompiler)
-        if self.inner not in allowed_inner:
-            raise StormOptionError(f"storm option 'inner': expected one of {allowed_inner}, "
-                             f"got {self.inner!r}")
-        for name in ("min_offload_bytes", "prefetch_distance", "offload_wait_distance",
-                     "host_memory_limit"):
+        for name, kind in (("inner", InnerCompiler), ("offload", OffloadMode)):
+            allowed = get_args(kind)
+            if getattr(self, name) not in allowed:
+                raise StormOptionError(f"storm option {name!r}: expected one of {allowed}, "
+                                       f"got {getattr(self, name)!r}")
+        if not isinstance(self.profile, str):
+            raise StormOptionError(f"storm option 'profile': expected a profile name or path, "
+                                   f"got {type(self.profile).__name__}")
+        for name in ("min_offload_bytes", "prefetch_window_bytes", "host_memory_limit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise StormOptionError(f"storm option {name!r}: expected an int, "

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import fx
 
 from storm_compile.config import StormConfig
 from storm_compile.ops import TRANSFER_OPS
+
+if TYPE_CHECKING:
+    from storm_compile.cost_model import CostModel
 
 DECISION_KEY = "storm_decision"
 """``node.meta`` key of the :class:`OffloadDecision` the planner writes on forward nodes."""
@@ -36,6 +39,7 @@ class StormGraphs:
 @dataclasses.dataclass(frozen=True)
 class PassContext:
     config: StormConfig
+    cost: "CostModel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,9 @@ class NodeCost:
 
     is_compute: bool
     """Whether the node launches work on the compute stream (not a view, getitem or transfer)."""
+
+    compute_s: float
+    """Predicted seconds on the compute stream (0 unless ``is_compute``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,10 @@ class OffloadDecision:
     """Name of the forward node owning the saved value's storage."""
     storage_bytes: int
     """Bytes of that storage: what the transfer moves and the device memory it frees."""
+    wait_after: str | None = None
+    """Forward node after which the compute stream waits on the D2H copy (set by the scheduler)."""
+    prefetch_after: str | None = None
+    """Backward node after which the prefetch is issued; None: right after the graph inputs."""
 
 
 def output_node(gm: fx.GraphModule) -> fx.Node:
@@ -104,7 +115,8 @@ def is_view(node: fx.Node) -> bool:
     if node.target in UNANNOTATED_VIEWS:
         return True
     schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
+                                      for r in schema.returns)
 
 
 def view_chain(node: fx.Node) -> list[fx.Node]:

@@ -28,15 +28,15 @@ def swiglu_hidden(d_model: int) -> int:
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, heads: int, hidden: int) -> None:
+    def __init__(self, d_model: int, heads: int, hidden: int, **factory) -> None:
         super().__init__()
         self.heads = heads
-        self.attn_norm = nn.RMSNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
-        self.mlp_norm = nn.RMSNorm(d_model)
-        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
-        self.down = nn.Linear(hidden, d_model, bias=False)
+        self.attn_norm = nn.RMSNorm(d_model, **factory)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False, **factory)
+        self.out = nn.Linear(d_model, d_model, bias=False, **factory)
+        self.mlp_norm = nn.RMSNorm(d_model, **factory)
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False, **factory)
+        self.down = nn.Linear(hidden, d_model, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
@@ -49,11 +49,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, d_model: int, layers: int, heads: int, hidden: int) -> None:
+    def __init__(self, d_model: int, layers: int, heads: int, hidden: int, **factory) -> None:
+        """``factory``: ``device`` and ``dtype`` for the parameters, as torch.nn layers take."""
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
-        self.blocks = nn.ModuleList(Block(d_model, heads, hidden) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d_model, heads, hidden, **factory)
+                                    for _ in range(layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -77,7 +79,7 @@ def build_gpt(shape: GPTShape, device: torch.device | str = "cpu"
               ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     dtype = getattr(torch, shape.dtype)
     hidden = shape.hidden or swiglu_hidden(shape.d_model)
-    model = GPT(shape.d_model, shape.layers, shape.heads, hidden).to(device=device, dtype=dtype)
+    model = GPT(shape.d_model, shape.layers, shape.heads, hidden, device=device, dtype=dtype)
     x = torch.randn(shape.batch, shape.seq, shape.d_model, device=device, dtype=dtype,
                     requires_grad=True)
     return model, (x,)

@@ -14,7 +14,13 @@ from torch import fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from storm_compile.graphs import DECISION_KEY, PassContext, StormGraphs, saved_values
-from storm_compile.passes import annotate_costs, insert_transfers, plan_offload, verify_graphs
+from storm_compile.passes import (
+    annotate_costs,
+    insert_transfers,
+    plan_offload,
+    schedule_transfers,
+    verify_graphs,
+)
 from storm_compile.passes.verify import StormVerificationError
 
 log = logging.getLogger("storm_compile")
@@ -22,9 +28,10 @@ log = logging.getLogger("storm_compile")
 Pass = Callable[[StormGraphs, PassContext], StormGraphs]
 
 PASSES: tuple[Pass, ...] = (
-    annotate_costs,    # bytes and compute/no-compute for every node
-    plan_offload,      # keep or offload, per saved activation (decisions only)
-    insert_transfers,  # rewrite both graphs from the decisions
+    annotate_costs,      # bytes and predicted compute time of every node
+    plan_offload,        # which saved storages may leave the device (decisions only)
+    schedule_transfers,  # where each copy and wait goes; drops copies that would not hide
+    insert_transfers,    # rewrite both graphs from the decisions
 )
 
 
@@ -54,7 +61,7 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs,
                                                             **partition_kwargs)
     graphs = StormGraphs(forward, backward, partition_kwargs["num_fwd_outputs"])
-    # 2-5. annotate costs, plan, insert transfers, verifying after each pass.
+    # 2-5. annotate costs, plan, schedule, insert transfers, verifying after each pass.
     graphs = run_passes(graphs, ctx)
     if observer is not None:
         observer(graphs)

@@ -1,4 +1,5 @@
-"""The annotated schedule of a pair of rewritten graphs: one row per node in execution order."""
+"""The annotated schedule of a rewritten graph pair: rows in execution order, a summary of the
+predicted step against the same graphs without storm, and a Perfetto/Chrome trace."""
 
 from __future__ import annotations
 
@@ -8,22 +9,27 @@ from tabulate import tabulate
 from torch import fx
 
 from storm_compile import ops
-from storm_compile.graphs import COST_KEY, DECISION_KEY, StormGraphs
+from storm_compile.cost_model import CostModel
+from storm_compile.graphs import DECISION_KEY, StormGraphs
+from storm_compile.simulate import COMPUTE, Prediction, simulate
 
-COMPUTE_STREAM = "compute"
-D2H_STREAM = "d2h"
-H2D_STREAM = "h2d"
+US = 1e6
+MS = 1e3
 
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleRow:
     graph: str
-    index: int
     node: str
     op: str
     stream: str
+    compute_us: float
+    """Time the compute stream spends on the node; for a wait, the time it stalls."""
+    transfer_bytes: int
+    transfer_us: float
     event: str
-    bytes: int
+    memory_after: int
+    """Predicted device bytes live after the node, above weights and inputs."""
     decision: str
 
 
@@ -33,56 +39,86 @@ def _op_name(node: fx.Node) -> str:
     return str(getattr(node.target, "__name__", node.target))
 
 
-def _copy_stream(transfer: fx.Node) -> str:
-    return D2H_STREAM if transfer.target is ops.offload else H2D_STREAM
+def _events(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    records = gm.graph.find_nodes(op="call_function", target=ops.record_event)
+    return {record: f"ev{index}" for index, record in enumerate(records)}
 
 
-def graph_rows(gm: fx.GraphModule, graph_name: str) -> list[ScheduleRow]:
-    rows: list[ScheduleRow] = []
-    events: dict[fx.Node, str] = {}
-    for index, node in enumerate(gm.graph.nodes):
-        stream, event = COMPUTE_STREAM, ""
-        if node.op in ("placeholder", "output"):
-            stream = "-"
-        if node.target in (ops.offload, ops.prefetch):
-            stream = _copy_stream(node)
-        elif node.target is ops.record_event:
-            stream = _copy_stream(node.args[0])
-            events[node] = f"ev{len(events)}"
-            event = f"record {events[node]}"
-        elif node.target is ops.wait_event:
-            event = f"wait {events[node.args[0]]}"
-        decision = node.meta.get(DECISION_KEY)
-        sized = node.args[0] if node.target in (ops.offload, ops.prefetch) else node
-        cost = sized.meta.get(COST_KEY)
-        nbytes = cost.output_bytes if cost else 0
-        rows.append(ScheduleRow(
-            graph=graph_name, index=index, node=node.name, op=_op_name(node), stream=stream,
-            event=event, bytes=nbytes,
-            decision=(f"{decision.action}: {decision.reason}" if decision else "")))
+def schedule_rows(graphs: StormGraphs, prediction: Prediction) -> list[ScheduleRow]:
+    timings = {(t.graph, t.node): t for t in prediction.timings}
+    copies = {(c.graph, c.node): c for c in prediction.copies}
+    rows = []
+    for name, gm in (("fw", graphs.forward), ("bw", graphs.backward)):
+        events = _events(gm)
+        for node in gm.graph.nodes:
+            timing = timings[(name, node.name)]
+            copy = copies.get((name, node.name))
+            stream, event = timing.lane, ""
+            if node.target is ops.record_event:
+                stream = "d2h" if node.args[0].target is ops.offload else "h2d"
+                event = f"record {events[node]}"
+            elif node.target is ops.wait_event:
+                event = f"wait {events[node.args[0]]}"
+            decision = node.meta.get(DECISION_KEY)
+            rows.append(ScheduleRow(
+                graph=name, node=node.name, op=_op_name(node), stream=stream,
+                compute_us=(timing.end_s - timing.start_s) * US if timing.lane == COMPUTE else 0.0,
+                transfer_bytes=copy.nbytes if copy else 0,
+                transfer_us=(copy.end_s - copy.start_s) * US if copy else 0.0,
+                event=event, memory_after=timing.memory_after,
+                decision=f"{decision.action}: {decision.reason}" if decision else ""))
     return rows
 
 
-def schedule_rows(graphs: StormGraphs) -> list[ScheduleRow]:
-    return graph_rows(graphs.forward, "fw") + graph_rows(graphs.backward, "bw")
-
-
-def summary(graphs: StormGraphs) -> dict[str, int]:
+def summary(graphs: StormGraphs, prediction: Prediction, baseline: Prediction,
+            profile: str) -> dict[str, object]:
     storages = {n.meta[DECISION_KEY].storage: n.meta[DECISION_KEY]
                 for n in graphs.forward.graph.nodes if DECISION_KEY in n.meta}
-    offloaded = [d for d in storages.values() if d.action == "offload"]
-    kept = [d for d in storages.values() if d.action == "keep"]
     return {
-        "saved_storages": len(storages),
-        "offloaded_storages": len(offloaded),
-        "offloaded_bytes": sum(d.storage_bytes for d in offloaded),
-        "kept_bytes": sum(d.storage_bytes for d in kept),
+        "profile": profile,
+        "predicted_step_ms": prediction.step_s * MS,
+        "baseline_step_ms": baseline.step_s * MS,
+        "exposed_transfer_ms": prediction.exposed_transfer_s * MS,
+        "activation_bytes": prediction.activation_bytes,
+        "baseline_activation_bytes": baseline.activation_bytes,
+        "peak_bytes": prediction.peak_bytes,
+        "baseline_peak_bytes": baseline.peak_bytes,
+        "offloaded_bytes": prediction.offloaded_bytes,
+        "offloaded_storages": sum(d.action == "offload" for d in storages.values()),
+        "kept_storages": sum(d.action == "keep" for d in storages.values()),
     }
 
 
-def format_table(graphs: StormGraphs) -> str:
-    rows = [dataclasses.asdict(r) for r in schedule_rows(graphs)]
-    table = tabulate(rows, headers="keys", tablefmt="simple")
-    totals = summary(graphs)
-    lines = [table, "", tabulate(list(totals.items()), headers=["summary", "value"])]
-    return "\n".join(lines)
+def annotate(graphs: StormGraphs, cost: CostModel) -> dict[str, object]:
+    """Everything the CLI prints: ``{"nodes": [...], "summary": {...}}`` and the prediction."""
+    prediction = simulate(graphs, cost)
+    baseline = simulate(graphs, cost, ignore_transfers=True)
+    return {"nodes": [dataclasses.asdict(r) for r in schedule_rows(graphs, prediction)],
+            "summary": summary(graphs, prediction, baseline, cost.profile.name),
+            "prediction": prediction}
+
+
+def format_table(annotated: dict[str, object]) -> str:
+    table = tabulate(annotated["nodes"], headers="keys", tablefmt="simple", floatfmt=".1f")
+    totals = tabulate(list(annotated["summary"].items()), headers=["summary", "value"],
+                      floatfmt=".3f")
+    return f"{table}\n\n{totals}"
+
+
+LANE_TIDS = {"compute": 1, "d2h": 2, "h2d": 3}
+
+
+def chrome_trace(prediction: Prediction) -> dict[str, object]:
+    """The predicted timeline as Chrome trace JSON (ui.perfetto.dev opens it): one track per lane."""
+    events: list[dict[str, object]] = [
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
+        for lane, tid in LANE_TIDS.items()]
+    for t in prediction.timings:
+        if t.lane == COMPUTE and t.end_s > t.start_s:
+            events.append({"name": t.node, "cat": t.graph, "ph": "X", "pid": 1, "tid": 1,
+                           "ts": t.start_s * US, "dur": (t.end_s - t.start_s) * US})
+    for c in prediction.copies:
+        events.append({"name": c.node, "cat": c.graph, "ph": "X", "pid": 1,
+                       "tid": LANE_TIDS[c.lane], "ts": c.start_s * US,
+                       "dur": (c.end_s - c.start_s) * US, "args": {"bytes": c.nbytes}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -8,10 +8,12 @@ from torch import fx
 from storm_compile import ops
 from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
+from storm_compile.cost_model import CostModel
 from storm_compile.graphs import COST_KEY, StormGraphs
 from zoo import ZOO
 
-CPU_TEST_OPTIONS = {"inner": "eager", "transfer_cpu_tensors": True, "min_offload_bytes": 0}
+CPU_TEST_OPTIONS = {"inner": "eager", "transfer_cpu_tensors": True, "min_offload_bytes": 0,
+                    "profile": "cpu-test", "offload": "all"}
 """Offload every eligible activation of the tiny CPU models, running the graphs directly."""
 
 SEED = 0
@@ -32,11 +34,11 @@ def step(name: str, backend) -> tuple[torch.Tensor, dict[str, torch.Tensor], dic
     return loss.detach(), grads, buffers
 
 
-def capture(name: str, **options) -> StormGraphs:
+def capture(name: str, cost_override=None, **options) -> StormGraphs:
     """The rewritten graphs of zoo model ``name`` under storm with ``options``."""
     captured: list[StormGraphs] = []
     config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, **options})
-    step(name, StormBackend(config, observer=captured.append))
+    step(name, StormBackend(config, observer=captured.append, cost_override=cost_override))
     assert len(captured) == 1, f"{name}: expected one graph pair, got {len(captured)}"
     return captured[0]
 
@@ -50,6 +52,10 @@ def compute_between(gm: fx.GraphModule, first: fx.Node, last: fx.Node) -> int:
     return sum(1 for n in gm.graph.nodes
                if order[first] < order[n] < order[last]
                and COST_KEY in n.meta and n.meta[COST_KEY].is_compute)
+
+
+def cost_model(**options) -> CostModel:
+    return StormBackend(StormConfig.from_options(**{**CPU_TEST_OPTIONS, **options})).ctx.cost
 
 
 def transfer_count(graphs: StormGraphs) -> int:

@@ -18,8 +18,11 @@ def test_defaults_resolve_host_limit():
     ({"bogus": 1}, "unknown storm option(s) 'bogus'"),
     ({"inner": "tvm"}, "storm option 'inner': expected one of ('inductor', 'eager')"),
     ({"min_offload_bytes": -1}, "storm option 'min_offload_bytes': must be >= 0"),
-    ({"prefetch_distance": 1.5}, "storm option 'prefetch_distance': expected an int"),
-    ({"offload_wait_distance": True}, "storm option 'offload_wait_distance': expected an int"),
+    ({"offload": "some"}, "storm option 'offload': expected one of ('hidden', 'all')"),
+    ({"prefetch_window_bytes": True}, "storm option 'prefetch_window_bytes': expected bytes"),
+    ({"profile": "tpu-v9"}, "storm option 'profile': unknown device profile 'tpu-v9'; built-in "
+                            "profiles: h100, h200, a100-pcie, rtx4090, cpu-test"),
+    ({"profile": 3}, "storm option 'profile': expected a profile name or path"),
     ({"transfer_cpu_tensors": "yes"}, "storm option 'transfer_cpu_tensors': expected a bool"),
     ({"host_memory_limit": "12 parsecs"}, "storm option 'host_memory_limit': cannot read"),
     ({"host_memory_limit": 2.5}, "storm option 'host_memory_limit': expected bytes"),
@@ -33,6 +36,12 @@ def test_bad_options_raise_value_error_naming_the_option(options, message):
 def test_unknown_option_lists_known_ones():
     with pytest.raises(ValueError, match="known options: .*min_offload_bytes"):
         storm(prefetch=3)
+
+
+def test_sizes_accept_strings():
+    backend = storm(min_offload_bytes="4MiB", prefetch_window_bytes="2 GiB", profile="cpu-test")
+    assert backend.config.min_offload_bytes == 4 << 20
+    assert backend.config.prefetch_window_bytes == 2 * GIB
 
 
 @pytest.mark.parametrize("text, expected", [

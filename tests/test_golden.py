@@ -1,17 +1,18 @@
-"""Golden printed graphs on a tiny function: the exact pattern the passes emit.
+"""Golden printed graphs and schedule on a tiny function with the ``cpu-test`` profile.
 
-``relu`` (2 KiB) passes min_offload_bytes=1024 and is offloaded; ``tanh``'s saved view (256 B)
-stays. With both distances at 1, the forward wait lands one compute node (``mm_1``) after the
-offload and the prefetch one compute node (``tanh_backward``) before the first use.
+``relu`` (2 KiB) passes min_offload_bytes=1024 and, with ``offload="all"``, is offloaded even
+though its copies cannot hide (negative slack); ``tanh``'s saved view (256 B) stays. The forward
+waits after ``sum_1``, the last compute node; the backward prefetches right after its inputs.
 """
 
 import torch
 
 from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
+from storm_compile.schedule import annotate, format_table
 
 GOLDEN_OPTIONS = dict(inner="eager", transfer_cpu_tensors=True, min_offload_bytes=1024,
-                      prefetch_distance=1, offload_wait_distance=1, host_memory_limit="1GiB")
+                      profile="cpu-test", offload="all", host_memory_limit="1GiB")
 
 FORWARD = """
 def forward(self, args_list):
@@ -25,10 +26,10 @@ def forward(self, args_list):
     offload_default = torch.ops.storm.offload.default(relu, 1073741824)
     record_event_default = torch.ops.storm.record_event.default(offload_default);  offload_default = None
     mm_1 = torch.ops.aten.mm.default(relu, primals_3)
-    wait_event_default = torch.ops.storm.wait_event.default(record_event_default, relu);  record_event_default = relu = None
     tanh = torch.ops.aten.tanh.default(mm_1);  mm_1 = None
     detach_1 = torch.ops.aten.detach.default(tanh)
     sum_1 = torch.ops.aten.sum.dim_IntList(tanh, [1]);  tanh = None
+    wait_event_default = torch.ops.storm.wait_event.default(record_event_default, relu);  record_event_default = relu = None
     detach_2 = torch.ops.aten.detach.default(detach_1);  detach_1 = None
     t_1 = torch.ops.aten.t.default(primals_3);  primals_3 = None
     t_2 = torch.ops.aten.t.default(primals_1);  primals_1 = None
@@ -53,13 +54,67 @@ def forward(self, relu, detach_2, t_1, t_2, tangents_1):
     return (None, mm_4, mm_2)
 """
 
+SCHEDULE = """
+graph    node                  op                          stream      compute_us    transfer_bytes    transfer_us  event         memory_after  decision
+-------  --------------------  --------------------------  --------  ------------  ----------------  -------------  ----------  --------------  ----------------------------------------------------------------
+fw       primals_1             placeholder                 -                  0.0                 0            0.0                           0  keep: storage of a graph input (parameter, buffer or user input)
+fw       primals_2             placeholder                 -                  0.0                 0            0.0                           0
+fw       primals_3             placeholder                 -                  0.0                 0            0.0                           0  keep: storage of a graph input (parameter, buffer or user input)
+fw       mm                    mm.default                  compute            1.0                 0            0.0                        2048
+fw       relu                  relu.default                compute            1.0                 0            0.0                        2048  offload: D2H slack -7 µs, H2D slack -9 µs
+fw       offload_default       offload.default             d2h                0.0              2048           10.2                        2048
+fw       record_event_default  record_event.default        d2h                0.0                 0            0.0  record ev0            2048
+fw       mm_1                  mm.default                  compute            1.0                 0            0.0                        2304
+fw       tanh                  tanh.default                compute            1.0                 0            0.0                        2304  keep: smaller than min_offload_bytes (1024)
+fw       detach_1              detach.default              -                  0.0                 0            0.0                        2304
+fw       sum_1                 sum.dim_IntList             compute            1.0                 0            0.0                        2368
+fw       wait_event_default    wait_event.default          compute            7.2                 0            0.0  wait ev0               320
+fw       detach_2              detach.default              -                  0.0                 0            0.0                         320  keep: smaller than min_offload_bytes (1024)
+fw       t_1                   t.default                   -                  0.0                 0            0.0                         320  keep: storage of a graph input (parameter, buffer or user input)
+fw       t_2                   t.default                   -                  0.0                 0            0.0                         320  keep: storage of a graph input (parameter, buffer or user input)
+fw       output                output                      -                  0.0                 0            0.0                         320
+bw       relu                  placeholder                 -                  0.0                 0            0.0                         384
+bw       detach_2              placeholder                 -                  0.0                 0            0.0                         384
+bw       t_1                   placeholder                 -                  0.0                 0            0.0                         384
+bw       t_2                   placeholder                 -                  0.0                 0            0.0                         384
+bw       tangents_1            placeholder                 -                  0.0                 0            0.0                         384
+bw       prefetch_default      prefetch.default            h2d                0.0              2048           10.2                        2432
+bw       record_event_default  record_event.default        h2d                0.0                 0            0.0  record ev0            2432
+bw       unsqueeze             unsqueeze.default           -                  0.0                 0            0.0                        2432
+bw       expand                expand.default              -                  0.0                 0            0.0                        2432
+bw       tanh_backward         tanh_backward.default       compute            1.0                 0            0.0                        2368
+bw       wait_event_default    wait_event.default          compute            9.2                 0            0.0  wait ev0              2368
+bw       t                     t.default                   -                  0.0                 0            0.0                        2368
+bw       mm_2                  mm.default                  compute            1.0                 0            0.0                        2880
+bw       mm_3                  mm.default                  compute            1.0                 0            0.0                        4672
+bw       detach                detach.default              -                  0.0                 0            0.0                        4672
+bw       detach_3              detach.default              -                  0.0                 0            0.0                        4672
+bw       threshold_backward    threshold_backward.default  compute            1.0                 0            0.0                        2624
+bw       mm_4                  mm.default                  compute            1.0                 0            0.0                        1600
+bw       output                output                      -                  0.0                 0            0.0                        1600
+
+summary                    value
+-------------------------  --------------------
+profile                    cpu-test
+predicted_step_ms          0.026409600000000002
+baseline_step_ms           0.01
+exposed_transfer_ms        0.0164096
+activation_bytes           320
+baseline_activation_bytes  2368
+peak_bytes                 6720
+baseline_peak_bytes        6720
+offloaded_bytes            2048
+offloaded_storages         1
+kept_storages              3
+"""
+
 
 def tiny(x, w1, w2):
     h = torch.relu(x @ w1)
     return torch.tanh(h @ w2).sum(dim=1)
 
 
-def test_golden_graphs():
+def test_golden_graphs_and_schedule():
     captured = []
     backend = StormBackend(StormConfig.from_options(**GOLDEN_OPTIONS), observer=captured.append)
     x = torch.randn(16, 8)
@@ -69,3 +124,6 @@ def test_golden_graphs():
     (graphs,) = captured
     assert graphs.forward.code.strip() == FORWARD.strip()
     assert graphs.backward.code.strip() == BACKWARD.strip()
+    annotated = annotate(graphs, backend.ctx.cost)
+    annotated.pop("prediction")
+    assert format_table(annotated).strip() == SCHEDULE.strip()

@@ -37,7 +37,7 @@ def _rel_error(grads, ref):
 def test_storm_frees_device_memory_and_matches_compile():
     ref_held, ref_grads = _step("inductor")
     torch._dynamo.reset()
-    held, grads = _step(storm(min_offload_bytes=0))
+    held, grads = _step(storm(min_offload_bytes=0, offload="all"))
     assert held < ref_held / 2, (held, ref_held)
     assert _rel_error(grads, ref_grads) < BF16_RTOL
 
@@ -45,18 +45,18 @@ def test_storm_frees_device_memory_and_matches_compile():
 def test_eager_inner_is_bitwise_aot_eager_on_cuda():
     _, ref_grads = _step("aot_eager")
     torch._dynamo.reset()
-    _, grads = _step(storm(inner="eager", min_offload_bytes=0))
+    _, grads = _step(storm(inner="eager", min_offload_bytes=0, offload="all"))
     for name in ref_grads:
         assert torch.equal(grads[name], ref_grads[name]), name
 
 
 def test_pinned_pool_does_not_grow_after_first_step():
     get_runtime().pool.clear()
-    _step(storm(min_offload_bytes=0), steps=1)
+    _step(storm(min_offload_bytes=0, offload="all"), steps=1)
     reserved = get_runtime().pool.reserved_bytes
     assert reserved > 0
     torch._dynamo.reset()
-    _step(storm(min_offload_bytes=0), steps=3)
+    _step(storm(min_offload_bytes=0, offload="all"), steps=3)
     assert get_runtime().pool.reserved_bytes == reserved
 
 
@@ -65,6 +65,6 @@ def test_pinning_limit_keeps_tensors_on_device_with_one_warning():
     torch._dynamo.reset()
     get_runtime().pool.clear()
     with pytest.warns(RuntimeWarning, match="could not pin") as caught:
-        _, grads = _step(storm(min_offload_bytes=0, host_memory_limit=1), steps=2)
+        _, grads = _step(storm(min_offload_bytes=0, offload="all", host_memory_limit=1), steps=2)
     assert len([w for w in caught if "could not pin" in str(w.message)]) == 1
     assert _rel_error(grads, ref_grads) < BF16_RTOL

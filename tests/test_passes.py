@@ -1,12 +1,12 @@
-"""Structure and properties of the rewritten graphs (plan_offload + insert_transfers + verify)."""
+"""Structure and properties of the rewritten graphs, over every zoo model."""
 
 import pytest
 import torch
 from torch import fx
 
-from helpers import capture, compute_between, nodes
+from helpers import capture, compute_between, cost_model, nodes
 from storm_compile import ops
-from storm_compile.config import DEFAULT_OFFLOAD_WAIT_DISTANCE, DEFAULT_PREFETCH_DISTANCE
+from storm_compile.config import StormConfig
 from storm_compile.graphs import (
     COST_KEY,
     DECISION_KEY,
@@ -16,43 +16,18 @@ from storm_compile.graphs import (
     model_outputs,
     saved_values,
 )
-from storm_compile.config import StormConfig
-from storm_compile.pipeline import run_passes
 from storm_compile.passes import StormVerificationError, verify_graphs
+from storm_compile.pipeline import run_passes
+from storm_compile.simulate import simulate
 from zoo import ZOO
 
 MODELS = sorted(ZOO)
-DISTANCES = {"prefetch_distance": DEFAULT_PREFETCH_DISTANCE,
-             "offload_wait_distance": DEFAULT_OFFLOAD_WAIT_DISTANCE}
+SLOW_COMPUTE_S = 1.0
+"""A compute time per node long enough that every copy hides behind one node."""
 
 
 def _order(gm: fx.GraphModule) -> dict[fx.Node, int]:
     return {n: i for i, n in enumerate(gm.graph.nodes)}
-
-
-def _compute_after(gm, node):
-    order = _order(gm)
-    return sum(1 for n in gm.graph.nodes if order[n] > order[node]
-               and COST_KEY in n.meta and n.meta[COST_KEY].is_compute)
-
-
-@pytest.mark.parametrize("name", MODELS)
-def test_forward_pattern(name):
-    graphs = capture(name, **DISTANCES)
-    fw = graphs.forward
-    order = _order(fw)
-    for offload in nodes(fw, ops.offload):
-        (record,) = offload.users
-        (wait,) = record.users
-        assert record.target is ops.record_event and wait.target is ops.wait_event
-        assert order[offload] < order[record] < order[wait]
-        source = offload.args[0]
-        assert order[source] < order[offload]
-        # the wait sits offload_wait_distance compute nodes on, or after the last forward use
-        assert compute_between(fw, record, wait) >= min(DEFAULT_OFFLOAD_WAIT_DISTANCE,
-                                                        _compute_after(fw, record))
-        readers = [u for n in fw.graph.nodes if alias_root(n) is source for u in n.users]
-        assert all(order[u] <= order[wait] for u in readers), "read after its offload's wait"
 
 
 def _first_reader(wait: fx.Node, order) -> fx.Node:
@@ -65,24 +40,75 @@ def _first_reader(wait: fx.Node, order) -> fx.Node:
     return min(readers, key=order.__getitem__)
 
 
+def _chain(transfer: fx.Node) -> tuple[fx.Node, fx.Node]:
+    (record,) = transfer.users
+    (wait,) = record.users
+    assert record.target is ops.record_event and wait.target is ops.wait_event
+    return record, wait
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_pattern(name):
+    graphs = capture(name)
+    fw = graphs.forward
+    order = _order(fw)
+    for offload in nodes(fw, ops.offload):
+        record, wait = _chain(offload)
+        source = offload.args[0]
+        assert order[source] < order[offload] < order[record] < order[wait]
+        anchor = next(n for n in fw.graph.nodes if n.name == source.meta[DECISION_KEY].wait_after)
+        assert order[anchor] < order[wait] and compute_between(fw, anchor, wait) == 0
+        readers = [u for n in fw.graph.nodes if alias_root(n) is source for u in n.users]
+        assert all(order[u] <= order[wait] for u in readers), "read after its offload's wait"
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_backward_pattern(name):
-    graphs = capture(name, **DISTANCES)
+    graphs = capture(name)
     bw = graphs.backward
     order = _order(bw)
     for prefetch in nodes(bw, ops.prefetch):
-        (record,) = prefetch.users
-        (wait,) = record.users
+        record, wait = _chain(prefetch)
         source = prefetch.args[0]
-        assert source.op == "placeholder"
-        assert set(source.users) == {prefetch, wait}
+        assert source.op == "placeholder" and set(source.users) == {prefetch, wait}
         first_use = _first_reader(wait, order)
         assert order[prefetch] < order[record] < order[wait] < order[first_use]
         assert compute_between(bw, wait, first_use) == 0, "the wait sits right before first use"
-        before = compute_between(bw, prefetch, first_use)
-        available = compute_between(bw, next(iter(bw.graph.find_nodes(op="placeholder"))),
-                                    first_use)
-        assert before >= min(DEFAULT_PREFETCH_DISTANCE, available)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_no_copy_starts_before_its_producer(name):
+    graphs = capture(name)
+    prediction = simulate(graphs, cost_model())
+    ends = {(t.graph, t.node): t.end_s for t in prediction.timings}
+    for copy in prediction.copies:
+        gm = graphs.forward if copy.graph == "fw" else graphs.backward
+        transfer = next(n for n in gm.graph.nodes if n.name == copy.node)
+        assert copy.start_s >= ends[(copy.graph, transfer.args[0].name)]
+        _, wait = _chain(transfer)
+        assert ends[(copy.graph, wait.name)] >= copy.end_s, "a wait released before its copy"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_simulated_memory_is_bounded_by_live_tensors(name):
+    graphs = capture(name)
+    for ignore in (False, True):
+        prediction = simulate(graphs, cost_model(), ignore_transfers=ignore)
+        everything = sum(n.meta[COST_KEY].output_bytes for gm in (graphs.forward, graphs.backward)
+                         for n in gm.graph.nodes if COST_KEY in n.meta and n.op != "placeholder")
+        assert 0 <= prediction.peak_bytes <= everything + sum(
+            n.meta[COST_KEY].output_bytes for n in graphs.backward.graph.find_nodes(
+                op="placeholder"))
+        assert all(t.memory_after >= 0 for t in prediction.timings)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_offloading_lowers_predicted_activation_memory(name):
+    graphs = capture(name)
+    cost = cost_model()
+    storm_run, baseline = simulate(graphs, cost), simulate(graphs, cost, ignore_transfers=True)
+    assert storm_run.activation_bytes == baseline.activation_bytes - storm_run.offloaded_bytes
+    assert storm_run.peak_bytes <= baseline.peak_bytes
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -96,7 +122,7 @@ def test_never_offloads_inputs_or_outputs(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_every_saved_value_has_a_decision_and_offloads_follow_it(name):
+def test_decisions_match_the_rewrite(name):
     graphs = capture(name)
     offloaded = {o.args[0].name for o in nodes(graphs.forward, ops.offload)}
     for node in graphs.forward.graph.nodes:
@@ -109,8 +135,9 @@ def test_every_saved_value_has_a_decision_and_offloads_follow_it(name):
 def test_idempotent(name):
     graphs = capture(name)
     fw_code, bw_code = graphs.forward.code, graphs.backward.code
-    again = run_passes(graphs, PassContext(StormConfig.from_options(
-        transfer_cpu_tensors=True, min_offload_bytes=0)))
+    config = StormConfig.from_options(transfer_cpu_tensors=True, min_offload_bytes=0,
+                                      profile="cpu-test", offload="all")
+    again = run_passes(graphs, PassContext(config, cost_model()))
     assert again.forward.code == fw_code and again.backward.code == bw_code
 
 
@@ -120,6 +147,20 @@ def test_noop_when_nothing_qualifies(name):
     for gm in (graphs.forward, graphs.backward):
         assert not any(n.target in ops.TRANSFER_OPS for n in gm.graph.nodes)
     assert all(n.meta[DECISION_KEY].action == "keep" for n in saved_values(graphs))
+
+
+def test_hidden_mode_keeps_copies_that_would_not_hide():
+    graphs = capture("gpt", offload="hidden", cost_override=lambda node: 0.0)
+    assert not nodes(graphs.forward, ops.offload)
+    reasons = " ".join(n.meta[DECISION_KEY].reason for n in saved_values(graphs))
+    assert "would end" in reasons
+
+
+def test_hidden_mode_offloads_when_compute_covers_the_copies():
+    graphs = capture("gpt", offload="hidden", cost_override=lambda node: SLOW_COMPUTE_S)
+    assert nodes(graphs.forward, ops.offload)
+    prediction = simulate(graphs, cost_model(), ignore_transfers=False)
+    assert prediction.copies
 
 
 def test_cpu_model_is_left_alone_without_transfer_cpu_tensors(caplog):
@@ -148,14 +189,13 @@ def test_views_of_one_storage_cross_once():
     assert len(sources) == len(set(sources))
     saved_views = [n for n in saved_values(graphs) if n.target is torch.ops.aten.transpose.int]
     assert not saved_views, "saved views should have been replaced by their storage's transfer"
-    replayed = nodes(graphs.backward, torch.ops.aten.transpose.int)
-    assert replayed, "the backward rebuilds the views from the prefetched storage"
+    assert nodes(graphs.backward, torch.ops.aten.transpose.int), "views rebuilt in the backward"
 
 
 def _break_by_reading_after_wait(graphs: StormGraphs) -> None:
     fw = graphs.forward.graph
     offload = nodes(graphs.forward, ops.offload)[0]
-    (wait,) = next(iter(offload.users)).users
+    _, wait = _chain(offload)
     with fw.inserting_after(wait):
         fw.call_function(torch.ops.aten.neg.default, (offload.args[0],))
 
@@ -169,8 +209,7 @@ def _break_by_reading_host_copy(graphs: StormGraphs) -> None:
 
 def _break_by_skipping_record(graphs: StormGraphs) -> None:
     prefetch = nodes(graphs.backward, ops.prefetch)[0]
-    (record,) = prefetch.users
-    (wait,) = record.users
+    record, wait = _chain(prefetch)
     wait.replace_input_with(record, prefetch)
 
 

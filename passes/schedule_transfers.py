@@ -1,0 +1,149 @@
+"""Place each planned transfer on the predicted timeline, and drop the ones that would not hide.
+
+Assumes: ``annotate_costs`` gave every node its compute time; ``plan_offload`` marked the
+storages that may be offloaded.
+Guarantees: every ``offload`` decision carries ``wait_after`` (the forward node after which the
+compute stream waits on the copy: the first node, at or after the storage's last forward use,
+whose predicted end is at or after the copy's predicted end) and ``prefetch_after`` (the
+backward node after which the prefetch is issued, None for right after the graph inputs: as
+early as ``prefetch_window_bytes`` of prefetched-but-unused tensors allows). Copies queue on
+their lane in order: D2H copies by production order, H2D copies by first use. With
+``offload="hidden"`` a storage whose D2H copy would end after the forward's last compute node,
+or whose H2D copy would end after its first backward use, is turned back to ``keep`` with the
+figures in its reason; with ``offload="all"`` it stays and the compute stream will wait.
+Every placed decision's reason gives the predicted slack of both copies (positive: hidden).
+Emits: no nodes; only decisions change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+from torch import fx
+
+from storm_compile.graphs import (
+    COST_KEY,
+    DECISION_KEY,
+    OffloadDecision,
+    PassContext,
+    StormGraphs,
+    alias_root,
+    backward_placeholder,
+    is_view,
+    saved_values,
+)
+
+US = 1e6
+
+
+def _timeline(gm: fx.GraphModule) -> tuple[list[fx.Node], dict[fx.Node, float], dict[fx.Node, float]]:
+    nodes, start, end, t = list(gm.graph.nodes), {}, {}, 0.0
+    for node in nodes:
+        start[node] = t
+        t += node.meta[COST_KEY].compute_s
+        end[node] = t
+    return nodes, start, end
+
+
+def _keep(members: list[fx.Node], reason: str) -> None:
+    for node in members:
+        node.meta[DECISION_KEY] = dataclasses.replace(node.meta[DECISION_KEY], action="keep",
+                                                      reason=reason)
+
+
+def _place(members: list[fx.Node], **placement) -> None:
+    for node in members:
+        node.meta[DECISION_KEY] = dataclasses.replace(node.meta[DECISION_KEY], **placement)
+
+
+def _schedule_forward(graphs: StormGraphs, groups: dict[fx.Node, list[fx.Node]],
+                      ctx: PassContext) -> None:
+    nodes, _, end = _timeline(graphs.forward)
+    order = {n: i for i, n in enumerate(nodes)}
+    compute = [n for n in nodes if n.meta[COST_KEY].is_compute]
+    lane_free = 0.0
+    for root in sorted(groups, key=order.__getitem__):
+        decision: OffloadDecision = root.meta[DECISION_KEY]
+        copy_end = max(end[root], lane_free) + ctx.cost.transfer_seconds(
+            decision.storage_bytes, "d2h")
+        last_use = max((order[u] for n in nodes if alias_root(n) is root for u in n.users
+                        if u.op != "output" and not is_view(u)), default=order[root])
+        later = [n for n in compute if order[n] >= last_use]
+        hidden = [n for n in later if end[n] >= copy_end]
+        if not hidden and ctx.config.offload == "hidden":
+            forward_end = end[compute[-1]] if compute else 0.0
+            _keep(groups[root] + [root], f"D2H copy would end {(copy_end - forward_end) * US:.0f} "
+                                         f"µs after the forward's last compute node")
+            continue
+        anchor = hidden[0] if hidden else (later[-1] if later else nodes[last_use])
+        _place(groups[root] + [root], wait_after=anchor.name,
+               reason=f"D2H slack {(end[anchor] - copy_end) * US:+.0f} µs")
+        lane_free = copy_end
+
+
+_NO_ROOM = object()
+
+
+def _in_flight(intervals: list[tuple[int, int, int]], at: int) -> int:
+    return sum(nbytes for issue, use, nbytes in intervals if issue <= at < use)
+
+
+def _fits(intervals, point, inputs_end, order, use, nbytes, window) -> bool:
+    """Whether a prefetch issued after ``point`` keeps in-flight bytes within the window until
+    ``use``: checked where in-flight bytes can rise, at the issue and at later issues."""
+    at = inputs_end if point is None else order[point]
+    checks = [at] + [issue for issue, _, _ in intervals if at <= issue < order[use]]
+    return all(_in_flight(intervals, q) + nbytes <= window for q in checks)
+
+
+def _schedule_backward(graphs: StormGraphs, groups: dict[fx.Node, list[fx.Node]],
+                       ctx: PassContext) -> None:
+    nodes, start, end = _timeline(graphs.backward)
+    order = {n: i for i, n in enumerate(nodes)}
+    inputs_end = max(order[n] for n in graphs.backward.graph.find_nodes(op="placeholder"))
+    issue_points = [None] + [n for n in nodes if n.meta[COST_KEY].is_compute]
+    first_use = {root: min((u for m in members for u in backward_placeholder(graphs, m).users),
+                           key=order.__getitem__) for root, members in groups.items()}
+    lane_free, intervals = 0.0, []
+    window = ctx.config.prefetch_window_bytes
+    for root in sorted(groups, key=lambda r: order[first_use[r]]):
+        decision: OffloadDecision = root.meta[DECISION_KEY]
+        use = first_use[root]
+        nbytes = decision.storage_bytes
+        feasible = [p for p in issue_points
+                    if (inputs_end if p is None else order[p]) < order[use]]
+        chosen = next((p for p in feasible if _fits(intervals, p, inputs_end, order, use, nbytes,
+                                                     window)), _NO_ROOM)
+        if chosen is _NO_ROOM:
+            if ctx.config.offload == "hidden":
+                _keep(groups[root] + [root], f"prefetch window ({window} bytes) full until its "
+                                             f"first backward use ({use.name})")
+                continue
+            chosen = feasible[-1]
+        issue_at = inputs_end if chosen is None else order[chosen]
+        ready = 0.0 if chosen is None else end[chosen]
+        copy_end = max(ready, lane_free) + ctx.cost.transfer_seconds(nbytes, "h2d")
+        late = copy_end - start[use]
+        if late > 0 and ctx.config.offload == "hidden":
+            _keep(groups[root] + [root], f"H2D copy would end {late * US:.0f} µs after its first "
+                                         f"backward use ({use.name})")
+            continue
+        _place(groups[root] + [root], prefetch_after=None if chosen is None else chosen.name,
+               reason=f"{decision.reason}, H2D slack {-late * US:+.0f} µs")
+        lane_free = copy_end
+        intervals.append((issue_at, order[use], nbytes))
+
+
+def _offload_groups(graphs: StormGraphs) -> dict[fx.Node, list[fx.Node]]:
+    groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node in saved_values(graphs):
+        if node.meta[DECISION_KEY].action == "offload":
+            groups[alias_root(node)].append(node)
+    return groups
+
+
+def schedule_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    _schedule_forward(graphs, _offload_groups(graphs), ctx)
+    _schedule_backward(graphs, _offload_groups(graphs), ctx)
+    return graphs

@@ -1,0 +1,117 @@
+"""Measure the present GPU into a :class:`DeviceProfile`, and cache it on disk.
+
+``storm calibrate`` runs :func:`calibrate`; the backend's ``profile="auto"`` reads the cached
+calibration of the present GPU, measuring it on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from storm_compile.cost_model import PROFILES, DeviceProfile, resolve_profile
+
+COPY_BYTES = 256 << 20
+"""Large enough for a copy to run at full link rate (64 MiB already does on the H100)."""
+SMALL_COPY_BYTES = 64 << 10
+"""Small enough that a copy's time is almost all fixed latency."""
+MATMUL_SIZE = 8192
+FP32_MATMUL_SIZE = 4096
+DEVICE_COPY_BYTES = 1 << 30
+LAUNCH_PROBES = 200
+REPEATS = 10
+FALLBACK_PROFILE = "cpu-test"
+"""Profile of ``"auto"`` without CUDA: only CPU graphs (``transfer_cpu_tensors``) are planned."""
+
+
+def _median_seconds(work: Callable[[], None], repeats: int = REPEATS) -> float:
+    work()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def calibrate(name: str | None = None) -> DeviceProfile:
+    """Measure link, latency, matmul rates, memory bandwidth and launch time of the current GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("calibration needs a CUDA device")
+    host = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    h2d = COPY_BYTES / _median_seconds(lambda: device.copy_(host, non_blocking=True))
+    d2h = COPY_BYTES / _median_seconds(lambda: host.copy_(device, non_blocking=True))
+
+    host_back = torch.empty_like(host, pin_memory=True)
+    device_back = torch.empty_like(device)
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both_ways() -> None:
+        current = torch.cuda.current_stream()
+        up.wait_stream(current)
+        down.wait_stream(current)
+        with torch.cuda.stream(up):
+            device.copy_(host, non_blocking=True)
+        with torch.cuda.stream(down):
+            host_back.copy_(device_back, non_blocking=True)
+        current.wait_stream(up)
+        current.wait_stream(down)
+
+    duplex = 2 * COPY_BYTES / _median_seconds(both_ways)
+    small_host = host[:SMALL_COPY_BYTES]
+    small_device = device[:SMALL_COPY_BYTES]
+    small = _median_seconds(lambda: small_device.copy_(small_host, non_blocking=True))
+    latency = max(0.0, small - SMALL_COPY_BYTES / h2d)
+
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
+    matmul = 2 * MATMUL_SIZE**3 / _median_seconds(lambda: a @ a)
+    b = torch.randn(FP32_MATMUL_SIZE, FP32_MATMUL_SIZE, device="cuda")
+    fp32 = 2 * FP32_MATMUL_SIZE**3 / _median_seconds(lambda: b @ b)
+    src = torch.empty(DEVICE_COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    memory = 2 * DEVICE_COPY_BYTES / _median_seconds(lambda: dst.copy_(src))
+    one = torch.zeros(1, device="cuda")
+
+    def launches() -> None:
+        for _ in range(LAUNCH_PROBES):
+            one.add_(1)
+
+    launch = _median_seconds(launches) / LAUNCH_PROBES
+    return DeviceProfile(
+        name=name or torch.cuda.get_device_name(), matmul_flops=matmul, fp32_flops=fp32,
+        memory_bandwidth=memory, launch_s=launch, h2d_bandwidth=h2d, d2h_bandwidth=d2h,
+        duplex_bandwidth=duplex, copy_latency_s=latency)
+
+
+def cache_path(cache_dir: Path | None = None) -> Path:
+    """Where the calibration of the present GPU is kept."""
+    base = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
+    return Path(base) / "storm_compile" / f"{slug}-torch{torch.__version__}.json"
+
+
+def auto_profile() -> DeviceProfile:
+    """The cached calibration of the present GPU, measured now if there is none."""
+    if not torch.cuda.is_available():
+        return PROFILES[FALLBACK_PROFILE]
+    path = cache_path()
+    if path.is_file():
+        return DeviceProfile.from_json(path)
+    profile = calibrate()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.to_json(path)
+    return profile
+
+
+def profile_for(spec: str) -> DeviceProfile:
+    """Resolve the ``profile`` option: ``"auto"``, a built-in name, or a JSON path."""
+    return auto_profile() if spec == "auto" else resolve_profile(spec)

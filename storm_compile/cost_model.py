@@ -1,0 +1,216 @@
+"""How long a node computes and a tensor takes to cross the link, from a device profile.
+
+Compute time is a roofline: the larger of FLOPs over the dtype's peak rate and bytes moved
+(inputs read, outputs written) over memory bandwidth, plus a launch floor. FLOPs come from
+``torch.utils.flop_counter``'s formulas. Transfer time is a fixed latency plus bytes over the
+direction's bandwidth; when both directions run at once they share ``duplex_bandwidth``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from storm_compile.graphs import is_view
+
+aten = torch.ops.aten
+
+FLOP_ALIASES = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        aten._scaled_dot_product_flash_attention_backward,
+}
+"""Ops priced with another op's FLOP formula: the CPU flash-attention kernels do the same work
+as the CUDA ones, so a schedule traced on a CPU is priced as it would run on the GPU."""
+
+CAUSAL_WORK_FRACTION = 0.5
+"""Share of the full attention FLOPs a causal flash-attention kernel does: it skips the blocks
+above the diagonal."""
+
+HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    """Rates of one GPU and its host link. Bandwidths in bytes/s, times in seconds."""
+
+    name: str
+    matmul_flops: float
+    """bf16/fp16 dense matrix FLOP/s reached by large matmuls."""
+    fp32_flops: float
+    """fp32 FLOP/s (TF32 off, PyTorch's default)."""
+    memory_bandwidth: float
+    """Device memory bytes/s, counting bytes read plus bytes written."""
+    launch_s: float
+    """Smallest time a kernel takes, launch included."""
+    h2d_bandwidth: float
+    d2h_bandwidth: float
+    duplex_bandwidth: float
+    """Total bytes/s over both directions when copies run both ways at once."""
+    copy_latency_s: float
+    """Fixed cost of one copy, paid before its bytes move."""
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DeviceProfile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"device profile {str(path)!r}: cannot read: {error}") from error
+        if not isinstance(data, dict):
+            raise ValueError(f"device profile {str(path)!r}: expected a JSON object")
+        values = {}
+        for field in dataclasses.fields(cls):
+            if field.name not in data:
+                raise ValueError(f"device profile {str(path)!r}: missing field {field.name!r}")
+            value = data[field.name]
+            if field.name == "name":
+                values["name"] = str(value)
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"device profile {str(path)!r}: field {field.name!r} must be a "
+                                 f"non-negative number, got {value!r}")
+            values[field.name] = float(value)
+        for name in ("matmul_flops", "fp32_flops", "memory_bandwidth", "h2d_bandwidth",
+                     "d2h_bandwidth", "duplex_bandwidth"):
+            if values[name] == 0:
+                raise ValueError(f"device profile {str(path)!r}: field {name!r} must be > 0")
+        return cls(**values)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    # Measured on our H100 80GB HBM3 (torch 2.11, cu130): pinned copies 55.2 GB/s each way,
+    # 89 GB/s both ways at once, 25 µs for 64 KiB and 90 µs for 4 MiB (latency ~20 µs fits
+    # both within 10 %), bf16 matmul 767 TFLOP/s.
+    "h100": DeviceProfile("h100", matmul_flops=767e12, fp32_flops=51e12,
+                          memory_bandwidth=3.0e12, launch_s=4e-6, h2d_bandwidth=55.2e9,
+                          d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=20e-6),
+    # H200: bf16 and memory rates as seen on this workplace's H200 (790 TFLOP/s, 4.3 TB/s
+    # read+write); the host link is the same PCIe Gen5 as the H100's.
+    "h200": DeviceProfile("h200", matmul_flops=790e12, fp32_flops=55e12,
+                          memory_bandwidth=4.3e12, launch_s=4e-6, h2d_bandwidth=55.2e9,
+                          d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=20e-6),
+    # Datasheet-derived, at about 80 % of peak: A100 PCIe 312 TFLOP/s bf16, 1.9 TB/s, Gen4 x16.
+    "a100-pcie": DeviceProfile("a100-pcie", matmul_flops=250e12, fp32_flops=19.5e12,
+                               memory_bandwidth=1.5e12, launch_s=5e-6, h2d_bandwidth=25e9,
+                               d2h_bandwidth=25e9, duplex_bandwidth=40e9, copy_latency_s=10e-6),
+    # Datasheet-derived, at about 80 % of peak: RTX 4090 165 TFLOP/s bf16 (fp32 accumulate),
+    # 1.0 TB/s, Gen4 x16.
+    "rtx4090": DeviceProfile("rtx4090", matmul_flops=130e12, fp32_flops=66e12,
+                             memory_bandwidth=0.8e12, launch_s=5e-6, h2d_bandwidth=25e9,
+                             d2h_bandwidth=25e9, duplex_bandwidth=40e9, copy_latency_s=10e-6),
+    # Round numbers for tests: schedules printed with it are exact and never change.
+    "cpu-test": DeviceProfile("cpu-test", matmul_flops=1e12, fp32_flops=1e12,
+                              memory_bandwidth=1e11, launch_s=1e-6, h2d_bandwidth=1e10,
+                              d2h_bandwidth=1e10, duplex_bandwidth=1.5e10, copy_latency_s=1e-5),
+}
+
+
+def resolve_profile(spec: str | DeviceProfile) -> DeviceProfile:
+    """A built-in profile by name, or one read from a JSON file path."""
+    if isinstance(spec, DeviceProfile):
+        return spec
+    if spec in PROFILES:
+        return PROFILES[spec]
+    if spec.endswith(".json") or Path(spec).is_file():
+        return DeviceProfile.from_json(spec)
+    raise ValueError(f"unknown device profile {spec!r}; built-in profiles: "
+                     f"{', '.join(PROFILES)}, or a path to a profile JSON")
+
+
+def _value(arg):
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _tensor_bytes(values) -> int:
+    return sum(v.numel() * v.element_size() for v in tree_leaves(values)
+               if isinstance(v, torch.Tensor))
+
+
+def _is_causal(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    for index, argument in enumerate(schema.arguments if schema else ()):
+        if argument.name == "is_causal":
+            value = node.kwargs.get("is_causal", node.args[index] if index < len(node.args)
+                                    else argument.default_value)
+            return bool(value)
+    return False
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of ``node`` by torch's flop-counter formulas (0 for ops without one)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    packet = FLOP_ALIASES.get(packet, packet)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    args = [_value(a) for a in node.args]
+    kwargs = {k: _value(v) for k, v in node.kwargs.items()}
+    flops = formula(*args, **kwargs, out_val=node.meta.get("val"))
+    return int(flops * CAUSAL_WORK_FRACTION) if _is_causal(node) else int(flops)
+
+
+class CostModel:
+    """Per-node compute time and per-copy transfer time under one :class:`DeviceProfile`.
+
+    ``override(node)`` may return seconds for a node (e.g. a measured time) or None to use the
+    roofline. Estimates are cached by op, input/output shapes, strides and dtypes.
+    """
+
+    def __init__(self, profile: DeviceProfile,
+                 override: Callable[[fx.Node], float | None] | None = None) -> None:
+        self.profile = profile
+        self.override = override
+        self._cache: dict[tuple, float] = {}
+
+    def _key(self, node: fx.Node) -> tuple:
+        def describe(value):
+            if isinstance(value, torch.Tensor):
+                return (tuple(value.shape), tuple(value.stride()), value.dtype)
+            return value if isinstance(value, (int, float, bool, str, type(None))) else type(value)
+
+        args = tuple(describe(v) for v in tree_leaves([_value(a) for a in node.args]))
+        return (node.target, args, tuple(describe(v) for v in tree_leaves(node.meta.get("val"))))
+
+    def compute_seconds(self, node: fx.Node) -> float:
+        """Seconds ``node`` keeps the compute stream busy (0 for views and graph plumbing)."""
+        if node.op != "call_function" or is_view(node) or not hasattr(node.target, "_schema"):
+            return 0.0
+        if self.override is not None:
+            measured = self.override(node)
+            if measured is not None:
+                return measured
+        key = self._key(node)
+        if key not in self._cache:
+            self._cache[key] = self._roofline(node)
+        return self._cache[key]
+
+    def _roofline(self, node: fx.Node) -> float:
+        out = node.meta.get("val")
+        dtypes = [v.dtype for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
+        rate = self.profile.matmul_flops if dtypes and dtypes[0] in HALF_PRECISION \
+            else self.profile.fp32_flops
+        moved = _tensor_bytes([_value(a) for a in node.args]) + _tensor_bytes(out)
+        return max(node_flops(node) / rate, moved / self.profile.memory_bandwidth,
+                   self.profile.launch_s)
+
+    def transfer_seconds(self, nbytes: int, direction: str) -> float:
+        """Seconds to copy ``nbytes`` alone on the link, ``direction`` 'h2d' or 'd2h'."""
+        return self.profile.copy_latency_s + nbytes / self.bandwidth(direction)
+
+    def bandwidth(self, direction: str, shared: bool = False) -> float:
+        """Bytes/s of one direction, alone or sharing the link with the other direction."""
+        alone = self.profile.h2d_bandwidth if direction == "h2d" else self.profile.d2h_bandwidth
+        if not shared:
+            return alone
+        total = self.profile.h2d_bandwidth + self.profile.d2h_bandwidth
+        return self.profile.duplex_bandwidth * alone / total

@@ -1,0 +1,101 @@
+"""Cost model and simulator arithmetic with the round-number ``cpu-test`` profile."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import fx
+
+from storm_compile.cost_model import PROFILES, CostModel, DeviceProfile, node_flops
+from storm_compile.simulate import D2H, H2D, _Link
+
+TEST = PROFILES["cpu-test"]
+
+
+def _node(fn, *shapes, dtype=torch.float32):
+    """The first call node of ``fn`` traced with fake inputs of ``shapes``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        inputs = [torch.empty(s, dtype=dtype) for s in shapes]
+        gm = make_fx(fn)(*inputs)
+    return next(n for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_matmul_flops_and_compute_bound_time():
+    node = _node(torch.mm, (256, 512), (512, 1024))
+    assert node_flops(node) == 2 * 256 * 512 * 1024
+    assert CostModel(TEST).compute_seconds(node) == pytest.approx(2 * 256 * 512 * 1024 / 1e12)
+
+
+def test_half_precision_uses_the_matmul_rate():
+    node = _node(torch.mm, (256, 512), (512, 1024), dtype=torch.bfloat16)
+    fast = dataclasses.replace(TEST, matmul_flops=4e12)
+    assert CostModel(fast).compute_seconds(node) == pytest.approx(2 * 256 * 512 * 1024 / 4e12)
+
+
+def test_pointwise_is_memory_bound():
+    node = _node(torch.add, (1024, 1024), (1024, 1024))
+    moved = 3 * 1024 * 1024 * 4
+    assert CostModel(TEST).compute_seconds(node) == pytest.approx(moved / 1e11)
+
+
+def test_tiny_op_pays_the_launch_floor():
+    node = _node(torch.neg, (4,))
+    assert CostModel(TEST).compute_seconds(node) == TEST.launch_s
+
+
+def test_causal_attention_does_half_the_work():
+    def attend(q, k, v, causal):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    shape = (1, 2, 128, 64)
+    full = _node(lambda q, k, v: attend(q, k, v, False), shape, shape, shape)
+    causal = _node(lambda q, k, v: attend(q, k, v, True), shape, shape, shape)
+    assert node_flops(full) == 4 * 2 * 128 * 128 * 64
+    assert node_flops(causal) == node_flops(full) // 2
+
+
+def test_override_and_cache():
+    node = _node(torch.mm, (8, 8), (8, 8))
+    assert CostModel(TEST, override=lambda n: 0.5).compute_seconds(node) == 0.5
+    model = CostModel(TEST)
+    assert model.compute_seconds(node) == model.compute_seconds(node)
+    assert len(model._cache) == 1
+
+
+def test_transfer_time_and_shared_link():
+    model = CostModel(TEST)
+    assert model.transfer_seconds(10**10, "h2d") == pytest.approx(1e-5 + 1.0)
+    assert model.bandwidth("d2h", shared=True) == pytest.approx(0.75e10)
+
+
+def test_link_slows_copies_that_overlap_in_both_directions():
+    alone = _Link(CostModel(TEST))
+    alone.enqueue("a", D2H, 10**10, 0.0)
+    assert alone.finish_time("a") == pytest.approx(1e-5 + 1.0)
+    both = _Link(CostModel(TEST))
+    both.enqueue("a", D2H, 10**10, 0.0)
+    both.enqueue("b", H2D, 10**10, 0.0)
+    assert both.finish_time("a") == pytest.approx(1e-5 + 10**10 / 0.75e10)
+    assert both.finish_time("b") == pytest.approx(1e-5 + 10**10 / 0.75e10)
+
+
+def test_copies_on_one_lane_queue():
+    link = _Link(CostModel(TEST))
+    link.enqueue("a", H2D, 10**10, 0.0)
+    link.enqueue("b", H2D, 10**10, 0.0)
+    assert link.finish_time("b") == pytest.approx(2 * (1e-5 + 1.0))
+
+
+def test_profile_json_round_trip(tmp_path):
+    path = tmp_path / "p.json"
+    PROFILES["h100"].to_json(path)
+    assert DeviceProfile.from_json(path) == PROFILES["h100"]
+    data = json.loads(path.read_text())
+    data["duplex_bandwidth"] = 0
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="'duplex_bandwidth' must be > 0"):
+        DeviceProfile.from_json(path)

@@ -34,10 +34,12 @@ from tabulate import tabulate
 from torch import nn
 
 from benchmarks.trace_analysis import analyse
-from storm_compile import storm
-from storm_compile.config import PRESETS
+from storm_compile.backend import StormBackend
+from storm_compile.config import PRESETS, StormConfig
+from storm_compile.graphs import StormGraphs
 from storm_compile.models import GPT, GPTShape, build_gpt
 from storm_compile.runtime import get_runtime
+from storm_compile.simulate import simulate
 
 GIB = float(1 << 30)
 EXIT_NO_CUDA = 2
@@ -73,6 +75,8 @@ class Method:
     wrap: Callable[[GPT], Callable[[torch.Tensor], torch.Tensor]]
     step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     pinned_bytes: Callable[[], int] = _no_pinned_memory
+    predict: Callable[[], dict] | None = None
+    """For storm methods: the cost model's predictions for the graphs it compiled."""
 
 
 class _CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
@@ -109,10 +113,37 @@ def _storm_pool_bytes() -> int:
     return get_runtime().pool.in_use_bytes()
 
 
+class _StormRun:
+    """Compiles with a storm backend and keeps its graphs, to set predictions beside figures."""
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+        self.graphs: list[StormGraphs] = []
+        self.backend: StormBackend | None = None
+
+    def wrap(self, model: GPT) -> Callable[[torch.Tensor], torch.Tensor]:
+        self.graphs.clear()
+        self.backend = StormBackend(StormConfig.from_options(**self.options),
+                                    observer=self.graphs.append)
+        return torch.compile(model, backend=self.backend)
+
+    def predict(self) -> dict:
+        cost = self.backend.ctx.cost
+        graphs = self.graphs[0]
+        ours, baseline = simulate(graphs, cost), simulate(graphs, cost, ignore_transfers=True)
+        return {"profile": cost.profile.name, "pred_step_ms": ours.step_s * 1e3,
+                "pred_exposed_ms": ours.exposed_transfer_s * 1e3,
+                "pred_activation_gib": ours.activation_bytes / GIB,
+                "pred_peak_gib": ours.peak_bytes / GIB,
+                "pred_baseline_step_ms": baseline.step_s * 1e3,
+                "pred_baseline_activation_gib": baseline.activation_bytes / GIB,
+                "pred_baseline_peak_gib": baseline.peak_bytes / GIB,
+                "pred_offloaded_gib": ours.offloaded_bytes / GIB}
+
+
 def _storm_method(name: str, options: dict, cpu: bool) -> Method:
-    options = {**options, "transfer_cpu_tensors": True} if cpu else options
-    return Method(name, lambda m: torch.compile(m, backend=storm(**options)),
-                  pinned_bytes=_storm_pool_bytes)
+    run = _StormRun({**options, "transfer_cpu_tensors": True} if cpu else options)
+    return Method(name, run.wrap, pinned_bytes=_storm_pool_bytes, predict=run.predict)
 
 
 def methods(cpu: bool = False) -> dict[str, Method]:
@@ -236,6 +267,8 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
         result["grad_rel_error"] = _grad_error(grads, reference_grads)
     if method.name == REFERENCE:
         result["grads"] = grads
+    if method.predict is not None:
+        result.update(method.predict())
     if method.name in args.profile:
         result.update(_profile(step, dev, out_dir / f"trace_{config_name}_{method.name}.json"))
     return result
@@ -324,6 +357,22 @@ def markdown(results: dict) -> str:
             })
         parts.append(f"### {name}\n\n" + tabulate(table, headers="keys", tablefmt="github",
                                                     floatfmt=".3g", missingval="") + "\n")
+        predicted = [{"method": r["method"], "profile": r["profile"],
+                      "step ms (pred / meas)": f"{r['pred_step_ms']:.1f} / {r['step_ms']:.1f}",
+                      "act GiB (pred / meas)":
+                          f"{r['pred_activation_gib']:.3f} / {r['activation_gib'] or 0:.3f}",
+                      "peak GiB (pred / meas)":
+                          f"{r['pred_peak_gib']:.3f} / {r['peak_gib'] or 0:.3f}",
+                      "exposed ms (pred)": r["pred_exposed_ms"],
+                      "offloaded GiB (pred)": r["pred_offloaded_gib"],
+                      "compile pred: step ms / act / peak GiB":
+                          f"{r['pred_baseline_step_ms']:.1f} / "
+                          f"{r['pred_baseline_activation_gib']:.3f} / "
+                          f"{r['pred_baseline_peak_gib']:.3f}"}
+                     for r in rows if "pred_step_ms" in r]
+        if predicted:
+            parts.append(tabulate(predicted, headers="keys", tablefmt="github", floatfmt=".3g")
+                         + "\n")
     return "\n".join(parts)
 
 

@@ -32,6 +32,7 @@ OffloadMode = Literal["hidden", "all"]
 
 PRESETS: dict[str, dict[str, object]] = {
     "storm": {},
+    "storm-all": {"offload": "all"},
 }
 """Named option sets the backend offers; the benchmark harness measures each one."""
 

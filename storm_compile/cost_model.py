@@ -1,7 +1,9 @@
 """How long a node computes and a tensor takes to cross the link, from a device profile.
 
-Compute time is a roofline: the larger of FLOPs over the dtype's peak rate and bytes moved
-(inputs read, outputs written) over memory bandwidth, plus a launch floor. FLOPs come from
+Compute time is a roofline: the larger of FLOPs over the dtype's peak rate, bytes moved over
+memory bandwidth, and a launch floor. Bytes moved follow Inductor's fusion: a chain of pointwise
+ops and reductions reads its inputs once and writes only what leaves the chain, and pays one
+launch. FLOPs come from
 ``torch.utils.flop_counter``'s formulas. Transfer time is a fixed latency plus bytes over the
 direction's bandwidth; when both directions run at once they share ``duplex_bandwidth``.
 """
@@ -35,6 +37,36 @@ CAUSAL_WORK_FRACTION = 0.5
 above the diagonal."""
 
 HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+FUSIBLE_REDUCTIONS = frozenset({
+    aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.mean.default, aten.amax.default,
+    aten.amin.default, aten.var_mean.correction, aten.prod.dim_int,
+})
+"""Reductions Inductor fuses with the pointwise ops around them."""
+FUSIBLE_CASTS = frozenset({aten._to_copy.default})
+
+
+def is_fusible(node: fx.Node) -> bool:
+    """Whether Inductor folds ``node`` into a neighbouring kernel: pointwise ops, dtype casts
+    and simple reductions. Chains of them run as one kernel that reads the chain's inputs once
+    and writes only what leaves the chain."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    return (torch.Tag.pointwise in target.tags or target in FUSIBLE_REDUCTIONS
+            or target in FUSIBLE_CASTS)
+
+
+def _producer(arg: fx.Node) -> fx.Node:
+    while is_view(arg) and isinstance(arg.args[0], fx.Node):
+        arg = arg.args[0]
+    return arg
+
+
+def materialized(node: fx.Node) -> bool:
+    """Whether ``node``'s output is written to device memory (False inside a fused chain)."""
+    return not is_fusible(node) or any(
+        user.op == "output" or not is_fusible(user) for user in node.users)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +204,16 @@ class CostModel:
         self.override = override
         self._cache: dict[tuple, float] = {}
 
+    def _traffic(self, node: fx.Node) -> tuple[int, int]:
+        """Bytes ``node`` reads and writes in device memory, counting fusion: a fusible node
+        reads only the inputs produced outside its chain and writes only if it ends the chain."""
+        out = node.meta.get("val")
+        if not is_fusible(node):
+            return _tensor_bytes([_value(a) for a in node.args]), _tensor_bytes(out)
+        reads = sum(_tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
+                    if not is_fusible(_producer(a)))
+        return reads, _tensor_bytes(out) if materialized(node) else 0
+
     def _key(self, node: fx.Node) -> tuple:
         def describe(value):
             if isinstance(value, torch.Tensor):
@@ -179,7 +221,8 @@ class CostModel:
             return value if isinstance(value, (int, float, bool, str, type(None))) else type(value)
 
         args = tuple(describe(v) for v in tree_leaves([_value(a) for a in node.args]))
-        return (node.target, args, tuple(describe(v) for v in tree_leaves(node.meta.get("val"))))
+        return (node.target, args, tuple(describe(v) for v in tree_leaves(node.meta.get("val"))),
+                self._traffic(node), materialized(node))
 
     def compute_seconds(self, node: fx.Node) -> float:
         """Seconds ``node`` keeps the compute stream busy (0 for views and graph plumbing)."""
@@ -199,9 +242,10 @@ class CostModel:
         dtypes = [v.dtype for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
         rate = self.profile.matmul_flops if dtypes and dtypes[0] in HALF_PRECISION \
             else self.profile.fp32_flops
-        moved = _tensor_bytes([_value(a) for a in node.args]) + _tensor_bytes(out)
-        return max(node_flops(node) / rate, moved / self.profile.memory_bandwidth,
-                   self.profile.launch_s)
+        reads, writes = self._traffic(node)
+        launch = self.profile.launch_s if materialized(node) else 0.0
+        return max(node_flops(node) / rate, (reads + writes) / self.profile.memory_bandwidth,
+                   launch)
 
     def transfer_seconds(self, nbytes: int, direction: str) -> float:
         """Seconds to copy ``nbytes`` alone on the link, ``direction`` 'h2d' or 'd2h'."""

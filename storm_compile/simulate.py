@@ -4,8 +4,8 @@ The compute lane runs nodes in graph order; an ``offload``/``prefetch`` queues i
 lane at the moment the compute lane reaches it (the copy stream first waits on the compute
 stream), copies on a lane run one after another, and a ``wait_event`` holds the compute lane
 until its copy is done. When copies run in both directions at once they share the link's duplex
-bandwidth. Device memory: a tensor's storage is allocated when its owner runs and released after
-the last use of the storage; forward inputs (weights, inputs) are the baseline every figure is
+bandwidth. Device memory: a tensor's storage is allocated when its owner runs (unless a fused
+chain keeps it in registers) and released after the last use of the storage; forward inputs (weights, inputs) are the baseline every figure is
 taken above. With ``ignore_transfers`` the storm nodes cost nothing and every transferred tensor
 counts as staying on the device, which predicts the graphs without storm.
 """
@@ -21,7 +21,7 @@ from torch import fx
 from torch.utils._pytree import tree_leaves
 
 from storm_compile import ops
-from storm_compile.cost_model import CostModel
+from storm_compile.cost_model import CostModel, materialized
 from storm_compile.graphs import StormGraphs, alias_root, is_view, output_node, saved_values
 
 COMPUTE, D2H, H2D = "compute", "d2h", "h2d"
@@ -181,7 +181,7 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
         else:
             lane = "-"
         if node.op == "call_function" and memory.owner(node) is node \
-                and isinstance(node.meta.get("val"), torch.Tensor):
+                and isinstance(node.meta.get("val"), torch.Tensor) and materialized(node):
             allocated[node] = _storage_bytes(node)
             live += allocated[node]
             peak = max(peak, live)

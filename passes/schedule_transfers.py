@@ -5,8 +5,9 @@ storages that may be offloaded.
 Guarantees: every ``offload`` decision carries ``wait_after`` (the forward node after which the
 compute stream waits on the copy: the first node, at or after the storage's last forward use,
 whose predicted end is at or after the copy's predicted end) and ``prefetch_after`` (the
-backward node after which the prefetch is issued, None for right after the graph inputs: as
-early as ``prefetch_window_bytes`` of prefetched-but-unused tensors allows). Copies queue on
+backward node after which the prefetch is issued, None for right after the graph inputs: the
+latest point that leaves ``PREFETCH_SLACK_FRACTION`` of the copy time as slack, or else the
+earliest point ``prefetch_window_bytes`` of prefetched-but-unused tensors allows). Copies queue on
 their lane in order: D2H copies by production order, H2D copies by first use. With
 ``offload="hidden"`` a storage whose D2H copy would end after the forward's last compute node,
 or whose H2D copy would end after its first backward use, is turned back to ``keep`` with the
@@ -82,7 +83,11 @@ def _schedule_forward(graphs: StormGraphs, groups: dict[fx.Node, list[fx.Node]],
         lane_free = copy_end
 
 
-_NO_ROOM = object()
+PREFETCH_SLACK_FRACTION = 0.5
+"""A prefetch is issued as late as still leaves this fraction of its copy time as predicted
+slack before first use: late enough that its host-side cost lands while the GPU has queued work
+(at the start of the backward the GPU has none), early enough to absorb a link 1.5x slower than
+the profile says."""
 
 
 def _in_flight(intervals: list[tuple[int, int, int]], at: int) -> int:
@@ -109,30 +114,34 @@ def _schedule_backward(graphs: StormGraphs, groups: dict[fx.Node, list[fx.Node]]
     window = ctx.config.prefetch_window_bytes
     for root in sorted(groups, key=lambda r: order[first_use[r]]):
         decision: OffloadDecision = root.meta[DECISION_KEY]
-        use = first_use[root]
-        nbytes = decision.storage_bytes
+        use, nbytes = first_use[root], decision.storage_bytes
+        copy = ctx.cost.transfer_seconds(nbytes, "h2d")
         feasible = [p for p in issue_points
-                    if (inputs_end if p is None else order[p]) < order[use]]
-        chosen = next((p for p in feasible if _fits(intervals, p, inputs_end, order, use, nbytes,
-                                                     window)), _NO_ROOM)
-        if chosen is _NO_ROOM:
+                    if (inputs_end if p is None else order[p]) < order[use]
+                    and _fits(intervals, p, inputs_end, order, use, nbytes, window)]
+        if not feasible:
             if ctx.config.offload == "hidden":
                 _keep(groups[root] + [root], f"prefetch window ({window} bytes) full until its "
                                              f"first backward use ({use.name})")
                 continue
-            chosen = feasible[-1]
-        issue_at = inputs_end if chosen is None else order[chosen]
-        ready = 0.0 if chosen is None else end[chosen]
-        copy_end = max(ready, lane_free) + ctx.cost.transfer_seconds(nbytes, "h2d")
-        late = copy_end - start[use]
+            feasible = [max((p for p in issue_points if p is not None and order[p] < order[use]),
+                            key=order.__getitem__, default=None)]
+
+        def copy_end(point):
+            return max(0.0 if point is None else end[point], lane_free) + copy
+
+        in_time = [p for p in feasible
+                   if start[use] - copy_end(p) >= PREFETCH_SLACK_FRACTION * copy]
+        chosen = in_time[-1] if in_time else feasible[0]
+        late = copy_end(chosen) - start[use]
         if late > 0 and ctx.config.offload == "hidden":
             _keep(groups[root] + [root], f"H2D copy would end {late * US:.0f} µs after its first "
                                          f"backward use ({use.name})")
             continue
         _place(groups[root] + [root], prefetch_after=None if chosen is None else chosen.name,
                reason=f"{decision.reason}, H2D slack {-late * US:+.0f} µs")
-        lane_free = copy_end
-        intervals.append((issue_at, order[use], nbytes))
+        lane_free = copy_end(chosen)
+        intervals.append((inputs_end if chosen is None else order[chosen], order[use], nbytes))
 
 
 def _offload_groups(graphs: StormGraphs) -> dict[fx.Node, list[fx.Node]]:

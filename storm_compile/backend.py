@@ -21,7 +21,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 
 from storm_compile.calibrate import profile_for
 from storm_compile.config import StormConfig, StormOptionError
-from storm_compile.cost_model import CostModel
+from storm_compile.cost_model import CostModel, MeasuredCosts
 from storm_compile.graphs import PassContext, StormGraphs
 from storm_compile.pipeline import storm_partition
 
@@ -71,6 +71,11 @@ class StormBackend:
             profile = profile_for(config.profile)
         except ValueError as error:
             raise StormOptionError(f"storm option 'profile': {error}") from error
+        if config.cost == "measured":
+            if not torch.cuda.is_available():
+                raise StormOptionError("storm option 'cost': 'measured' times ops on a CUDA "
+                                       "device, and none is available")
+            cost_override = cost_override or MeasuredCosts()
         self.ctx = PassContext(config, CostModel(profile, cost_override))
         self.partitioner = StormPartitioner(self.ctx, observer)
 

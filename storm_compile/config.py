@@ -29,9 +29,11 @@ swapped, and the data loader and the rest of the process need the other half."""
 
 InnerCompiler = Literal["inductor", "eager"]
 OffloadMode = Literal["hidden", "all"]
+CostMode = Literal["roofline", "measured"]
 
 PRESETS: dict[str, dict[str, object]] = {
     "storm": {},
+    "storm-measured": {"cost": "measured"},
     "storm-all": {"offload": "all"},
 }
 """Named option sets the backend offers; the benchmark harness measures each one."""
@@ -87,6 +89,10 @@ class StormConfig:
     ``"auto"``: a calibration of the present GPU, measured once and cached on disk
     (``cpu-test`` without CUDA)."""
 
+    cost: CostMode = "roofline"
+    """``"roofline"``: price nodes from FLOPs and bytes. ``"measured"``: time each distinct
+    non-fusible op (matmuls, attention) once on the GPU at compile time; needs CUDA."""
+
     prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES
     """Device memory that prefetched, not yet used tensors may hold (strings like "2GiB")."""
 
@@ -118,7 +124,8 @@ class StormConfig:
         return config
 
     def _validate(self) -> None:
-        for name, kind in (("inner", InnerCompiler), ("offload", OffloadMode)):
+        for name, kind in (("inner", InnerCompiler), ("offload", OffloadMode),
+                           ("cost", CostMode)):
             allowed = get_args(kind)
             if getattr(self, name) not in allowed:
                 raise StormOptionError(f"storm option {name!r}: expected one of {allowed}, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from torch.utils.flop_counter import flop_registry
 from storm_compile.graphs import is_view
 
 aten = torch.ops.aten
+log = logging.getLogger("storm_compile")
 
 FLOP_ALIASES = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
@@ -191,6 +193,58 @@ def node_flops(node: fx.Node) -> int:
     return int(flops * CAUSAL_WORK_FRACTION) if _is_causal(node) else int(flops)
 
 
+MEASURE_REPEATS = 5
+"""Timed runs per distinct node in measured mode (after one warm-up); the median is kept."""
+
+
+class MeasuredCosts:
+    """A ``CostModel`` override that times each distinct non-fusible op once on the GPU.
+
+    Inputs are random tensors of the node's shapes, strides and dtypes (integer tensors are
+    zeros, so index arguments stay in range). Fusible ops return None: alone they would be
+    timed unfused, so the fusion-aware roofline prices them. An op that cannot be run from its
+    fake arguments is logged and priced by the roofline.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        self._cache: dict[tuple, float | None] = {}
+
+    def _real(self, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                  device=self.device)
+        return out.normal_() if out.is_floating_point() else out.zero_()
+
+    def __call__(self, node: fx.Node) -> float | None:
+        if is_fusible(node) or not isinstance(node.target, torch._ops.OpOverload):
+            return None
+        key = CostModel.describe(node)
+        if key not in self._cache:
+            self._cache[key] = self._time(node)
+        return self._cache[key]
+
+    def _time(self, node: fx.Node) -> float | None:
+        args = [self._real(_value(a)) for a in node.args]
+        kwargs = {k: self._real(_value(v)) for k, v in node.kwargs.items()}
+        try:
+            node.target(*args, **kwargs)
+            times = []
+            for _ in range(MEASURE_REPEATS):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                node.target(*args, **kwargs)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+        except (RuntimeError, TypeError, ValueError) as error:
+            log.debug("storm: could not time %s (%s); using the roofline", node.target, error)
+            return None
+        return sorted(times)[len(times) // 2]
+
+
 class CostModel:
     """Per-node compute time and per-copy transfer time under one :class:`DeviceProfile`.
 
@@ -214,15 +268,21 @@ class CostModel:
                     if not is_fusible(_producer(a)))
         return reads, _tensor_bytes(out) if materialized(node) else 0
 
-    def _key(self, node: fx.Node) -> tuple:
+    @staticmethod
+    def describe(node: fx.Node) -> tuple:
+        """Op, and shapes, strides and dtypes of its arguments and outputs."""
         def describe(value):
             if isinstance(value, torch.Tensor):
                 return (tuple(value.shape), tuple(value.stride()), value.dtype)
             return value if isinstance(value, (int, float, bool, str, type(None))) else type(value)
 
         args = tuple(describe(v) for v in tree_leaves([_value(a) for a in node.args]))
-        return (node.target, args, tuple(describe(v) for v in tree_leaves(node.meta.get("val"))),
-                self._traffic(node), materialized(node))
+        kwargs = tuple((k, describe(v)) for k, v in node.kwargs.items())
+        return (node.target, args, kwargs,
+                tuple(describe(v) for v in tree_leaves(node.meta.get("val"))))
+
+    def _key(self, node: fx.Node) -> tuple:
+        return (*self.describe(node), self._traffic(node), materialized(node))
 
     def compute_seconds(self, node: fx.Node) -> float:
         """Seconds ``node`` keeps the compute stream busy (0 for views and graph plumbing)."""

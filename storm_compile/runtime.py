@@ -9,7 +9,6 @@ scattered across the ops.
 from __future__ import annotations
 
 import logging
-import threading
 import warnings
 
 import torch
@@ -119,14 +118,9 @@ class TransferRuntime:
                 RuntimeWarning, stacklevel=2)
 
 
-_runtime: TransferRuntime | None = None
-_runtime_lock = threading.Lock()
+_RUNTIME = TransferRuntime()
 
 
 def get_runtime() -> TransferRuntime:
-    """The process's transfer runtime, created on first use."""
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            _runtime = TransferRuntime()
-        return _runtime
+    """The process's transfer runtime (it touches CUDA only when a copy is launched)."""
+    return _RUNTIME

@@ -23,6 +23,7 @@ def test_defaults_resolve_host_limit():
     ({"profile": "tpu-v9"}, "storm option 'profile': unknown device profile 'tpu-v9'; built-in "
                             "profiles: h100, h200, a100-pcie, rtx4090, cpu-test"),
     ({"profile": 3}, "storm option 'profile': expected a profile name or path"),
+    ({"cost": "guess"}, "storm option 'cost': expected one of ('roofline', 'measured')"),
     ({"transfer_cpu_tensors": "yes"}, "storm option 'transfer_cpu_tensors': expected a bool"),
     ({"host_memory_limit": "12 parsecs"}, "storm option 'host_memory_limit': cannot read"),
     ({"host_memory_limit": 2.5}, "storm option 'host_memory_limit': expected bytes"),

@@ -1,14 +1,16 @@
 """Rewrite both graphs so every storage the planner chose to offload crosses the link.
 
 Assumes: ``plan_offload`` wrote an ``OffloadDecision`` on every saved forward value and
-``schedule_transfers`` placed every ``offload`` one (``wait_after``, ``prefetch_after``).
+``schedule_transfers`` placed every ``offload`` one (``offload_after``, ``wait_after``,
+``prefetch_after``).
 Guarantees: for each offloaded storage, owned by forward node ``r`` and saved as values
 ``m1..mk`` (``r`` itself or views of it; backward inputs ``h1..hk``):
 
 Forward (``r``'s storage no longer leaves the forward on the device)::
 
     r = producer(...)
-    r_host       = storm.offload(r, host_limit)       # right after the producer
+    offload_after_node(...)                           # r's producer or a later node
+    r_host       = storm.offload(r, host_limit)
     r_host_ready = storm.record_event(r_host)
     ...
     wait_after_node(...)
@@ -74,14 +76,15 @@ def _node(graph: fx.Graph, name: str) -> fx.Node:
     return next(n for n in graph.nodes if n.name == name)
 
 
-def _offload_in_forward(graph: fx.Graph, root: fx.Node, wait_after: str,
+def _offload_in_forward(graph: fx.Graph, root: fx.Node, offload_after: str, wait_after: str,
                         ctx: PassContext) -> fx.Node:
-    with graph.inserting_after(root):
+    issue = _node(graph, offload_after)
+    with graph.inserting_after(issue):
         host = _emit(graph, ops.offload, (root, ctx.config.host_memory_limit))
     with graph.inserting_after(host):
         ready = _emit(graph, ops.record_event, (host,))
     anchor = _node(graph, wait_after)
-    with graph.inserting_after(ready if anchor is root else anchor):
+    with graph.inserting_after(ready if anchor is issue else anchor):
         return _emit(graph, ops.wait_event, (ready, root))
 
 
@@ -118,7 +121,8 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     out = output_node(graphs.forward)
     for root, saved in groups.items():
         decision = saved[0].meta[DECISION_KEY]
-        done = _offload_in_forward(graphs.forward.graph, root, decision.wait_after, ctx)
+        done = _offload_in_forward(graphs.forward.graph, root, decision.offload_after,
+                                   decision.wait_after, ctx)
         out.args = (tuple(done if n in saved else n for n in out.args[0]),)
         members = {backward_placeholder(graphs, m): m for m in saved}
         for h in members:

@@ -2,7 +2,9 @@
 
 Assumes: ``annotate_costs`` gave every node its compute time; ``plan_offload`` marked the
 storages that may be offloaded.
-Guarantees: every ``offload`` decision carries ``wait_after`` (the forward node after which the
+Guarantees: every ``offload`` decision carries ``offload_after`` (the forward node after which
+the D2H copy is issued: the storage's producer, or the first later node long enough to cover
+the op's host cost, ``HOST_COVER_S``), ``wait_after`` (the forward node after which the
 compute stream waits on the copy: the first node, at or after the storage's last forward use,
 whose predicted end is at or after the copy's predicted end) and ``prefetch_after`` (the
 backward node after which the prefetch is issued, None for right after the graph inputs: the
@@ -66,7 +68,9 @@ def _schedule_forward(graphs: StormGraphs, groups: dict[fx.Node, list[fx.Node]],
     lane_free = 0.0
     for root in sorted(groups, key=order.__getitem__):
         decision: OffloadDecision = root.meta[DECISION_KEY]
-        copy_end = max(end[root], lane_free) + ctx.cost.transfer_seconds(
+        issue = next((n for n in compute if order[n] >= order[root]
+                      and n.meta[COST_KEY].compute_s >= HOST_COVER_S), root)
+        copy_end = max(end[issue], lane_free) + ctx.cost.transfer_seconds(
             decision.storage_bytes, "d2h")
         last_use = max((order[u] for n in nodes if alias_root(n) is root for u in n.users
                         if u.op != "output" and not is_view(u)), default=order[root])
@@ -78,10 +82,18 @@ def _schedule_forward(graphs: StormGraphs, groups: dict[fx.Node, list[fx.Node]],
                                          f"µs after the forward's last compute node")
             continue
         anchor = hidden[0] if hidden else (later[-1] if later else nodes[last_use])
-        _place(groups[root] + [root], wait_after=anchor.name,
+        if order[anchor] < order[issue]:
+            anchor = issue
+        _place(groups[root] + [root], offload_after=issue.name, wait_after=anchor.name,
                reason=f"D2H slack {(end[anchor] - copy_end) * US:+.0f} µs")
         lane_free = copy_end
 
+
+HOST_COVER_S = 100e-6
+"""An offload is issued after the first node, from its producer on, predicted to keep the GPU
+busy this long: the op's host-side work (pool lookup, copy launch; ~100 µs measured under the
+profiler) then runs while that kernel does, instead of leaving an idle GPU waiting for the next
+launch, which happens early in the forward when little work is queued."""
 
 PREFETCH_SLACK_FRACTION = 0.5
 """A prefetch is issued as late as still leaves this fraction of its copy time as predicted

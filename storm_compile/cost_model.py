@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import flop_registry
 
 from storm_compile.graphs import is_view
@@ -200,6 +201,9 @@ MEASURE_REPEATS = 5
 class MeasuredCosts:
     """A ``CostModel`` override that times each distinct non-fusible op once on the GPU.
 
+    It runs inside AOTAutograd's partitioner, where a fake-tensor mode is active; the timing
+    steps out of it so the op really runs.
+
     Inputs are random tensors of the node's shapes, strides and dtypes (integer tensors are
     zeros, so index arguments stay in range). Fusible ops return None: alone they would be
     timed unfused, so the fusion-aware roofline prices them. An op that cannot be run from its
@@ -226,6 +230,10 @@ class MeasuredCosts:
         return self._cache[key]
 
     def _time(self, node: fx.Node) -> float | None:
+        with unset_fake_temporarily():
+            return self._run(node)
+
+    def _run(self, node: fx.Node) -> float | None:
         args = [self._real(_value(a)) for a in node.args]
         kwargs = {k: self._real(_value(v)) for k, v in node.kwargs.items()}
         try:

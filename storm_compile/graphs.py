@@ -66,6 +66,8 @@ class OffloadDecision:
     """Name of the forward node owning the saved value's storage."""
     storage_bytes: int
     """Bytes of that storage: what the transfer moves and the device memory it frees."""
+    offload_after: str | None = None
+    """Forward node after which the D2H copy is issued (set by the scheduler)."""
     wait_after: str | None = None
     """Forward node after which the compute stream waits on the D2H copy (set by the scheduler)."""
     prefetch_after: str | None = None

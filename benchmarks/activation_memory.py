@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.utils.checkpoint
 from tabulate import tabulate
-from torch import nn
 
 from benchmarks.trace_analysis import analyse
 from storm_compile.backend import StormBackend

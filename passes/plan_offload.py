@@ -3,16 +3,16 @@ offloaded to pinned host memory.
 
 The unit is a storage: the saved values that share one (a tensor and its views, or several views
 of one buffer, such as q, k and v split from a fused QKV projection) are decided together, since
-the device memory is freed only when none of them is held any more. This first placement
-offloads every storage that can be offloaded; later planners choose.
+the device memory is freed only when none of them is held any more. This pass says which
+storages *may* move; ``schedule_transfers`` then keeps the ones whose copies would not hide.
 
 Assumes: ``annotate_costs`` ran; the graphs are a partitioner's forward/backward pair.
 Guarantees: every saved forward value, and the node owning its storage, has
-``meta[DECISION_KEY]``, an :class:`~storm_compile.graphs.OffloadDecision`. ``offload`` is chosen only when the storage is
-owned by a forward op (not a graph input or a storm transfer), no user-visible output shares it,
-it is dense, non-empty, of static shape, on a CUDA device (any device with
-``transfer_cpu_tensors``), at least ``min_offload_bytes``, and every saved view of it can be
-rebuilt in the backward from the storage alone. ``reason`` says which rule decided.
+``meta[DECISION_KEY]``, an :class:`~storm_compile.graphs.OffloadDecision`. ``offload`` is
+chosen only when the storage is owned by a forward op (not a graph input or a storm transfer),
+no user-visible output shares it, it is dense, non-empty, of static shape, on a CUDA device
+(any device with ``transfer_cpu_tensors``), at least ``min_offload_bytes``, and every saved view
+of it can be rebuilt in the backward from the storage alone. ``reason`` says which rule decided.
 Emits: no nodes; the graphs are not changed.
 """
 

@@ -40,7 +40,8 @@ from storm_compile.graphs import (
 US = 1e6
 
 
-def _timeline(gm: fx.GraphModule) -> tuple[list[fx.Node], dict[fx.Node, float], dict[fx.Node, float]]:
+def _timeline(gm: fx.GraphModule
+              ) -> tuple[list[fx.Node], dict[fx.Node, float], dict[fx.Node, float]]:
     nodes, start, end, t = list(gm.graph.nodes), {}, {}, 0.0
     for node in nodes:
         start[node] = t

@@ -101,7 +101,9 @@ class StormBackend:
 
 
 def storm(**options: Any) -> StormBackend:
-    """A storm backend with the given options (see :class:`StormConfig`); ``ValueError`` on bad ones."""
+    """A storm backend with the given options (see :class:`StormConfig`).
+
+    Raises ``ValueError`` naming a bad option and what it allows."""
     return StormBackend(StormConfig.from_options(**options))
 
 

@@ -50,16 +50,17 @@ class StormOptionError(ValueError):
 def parse_bytes(value: int | str, option: str) -> int:
     """Read a byte count given as an int or a string such as ``"12GiB"``, ``"512 MB"``."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise StormOptionError(f"storm option {option!r}: expected bytes as an int or a string like "
-                         f"'12GiB', got {type(value).__name__} {value!r}")
+        raise StormOptionError(f"storm option {option!r}: expected bytes as an int or a string "
+                               f"like '12GiB', got {type(value).__name__} {value!r}")
     if isinstance(value, int):
         return value
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _SIZE_UNITS:
-        raise StormOptionError(f"storm option {option!r}: cannot read {value!r} as a size; accepted forms: "
-                         f"an int of bytes, or a number followed by one of "
-                         f"{', '.join(u for u in _SIZE_UNITS if u)} (case-insensitive)")
+        raise StormOptionError(f"storm option {option!r}: cannot read {value!r} as a size; "
+                               f"accepted forms: an int of bytes, or a number followed by one "
+                               f"of {', '.join(u for u in _SIZE_UNITS if u)} "
+                               f"(case-insensitive)")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
@@ -107,7 +108,8 @@ class StormConfig:
 
     @classmethod
     def from_options(cls, **options: Any) -> "StormConfig":
-        """Validate user options; raise ``StormOptionError`` (a ``ValueError``) naming the option and what is allowed."""
+        """Validate user options; raise ``StormOptionError`` (a ``ValueError``) naming the
+        option and what is allowed."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - set(fields))
         if unknown:
@@ -137,9 +139,9 @@ class StormConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise StormOptionError(f"storm option {name!r}: expected an int, "
-                                 f"got {type(value).__name__} {value!r}")
+                                       f"got {type(value).__name__} {value!r}")
             if value < 0:
                 raise StormOptionError(f"storm option {name!r}: must be >= 0, got {value}")
         if not isinstance(self.transfer_cpu_tensors, bool):
             raise StormOptionError(f"storm option 'transfer_cpu_tensors': expected a bool, "
-                             f"got {type(self.transfer_cpu_tensors).__name__}")
+                                   f"got {type(self.transfer_cpu_tensors).__name__}")

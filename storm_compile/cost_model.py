@@ -124,11 +124,12 @@ class DeviceProfile:
 
 PROFILES: dict[str, DeviceProfile] = {
     # Measured on our H100 80GB HBM3 (torch 2.11, cu130): pinned copies 55.2 GB/s each way,
-    # 89 GB/s both ways at once, 25 µs for 64 KiB and 90 µs for 4 MiB (latency ~20 µs fits
-    # both within 10 %), bf16 matmul 767 TFLOP/s.
+    # 89 GB/s both ways at once, bf16 matmul 767 TFLOP/s; `storm calibrate` there gave fp32
+    # 51 TFLOP/s, 2.97 TB/s device copies (read+write), 7.6 µs per small kernel and 15.8 µs
+    # of fixed latency per host copy.
     "h100": DeviceProfile("h100", matmul_flops=767e12, fp32_flops=51e12,
-                          memory_bandwidth=3.0e12, launch_s=4e-6, h2d_bandwidth=55.2e9,
-                          d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=20e-6),
+                          memory_bandwidth=2.97e12, launch_s=7.6e-6, h2d_bandwidth=55.2e9,
+                          d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=15.8e-6),
     # H200: bf16 and memory rates as seen on this workplace's H200 (790 TFLOP/s, 4.3 TB/s
     # read+write); the host link is the same PCIe Gen5 as the H100's.
     "h200": DeviceProfile("h200", matmul_flops=790e12, fp32_flops=55e12,

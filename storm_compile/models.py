@@ -1,7 +1,8 @@
 """Built-in models, and loading of user models given as ``path/to/file.py:factory``.
 
 ``gpt`` is the stack the benchmarks measure: pre-norm transformer blocks with ``nn.RMSNorm``, a
-fused QKV projection, causal ``scaled_dot_product_attention``, an output projection and a SwiGLU MLP.
+fused QKV projection, causal ``scaled_dot_product_attention``, an output projection and a
+SwiGLU MLP.
 Its input and output are ``(batch, seq, d_model)`` residual-stream tensors, so the figures
 measure the blocks alone (no embedding, final norm or vocabulary projection).
 """

@@ -1,5 +1,5 @@
-"""The storm pipeline, in the order it runs: capture → annotate costs → plan → insert transfers →
-verify → compile.
+"""The storm pipeline, in the order it runs: capture → annotate costs → plan → schedule →
+insert transfers → verify → compile.
 
 Capture and compile belong to AOTAutograd and the inner compiler; storm's part sits between
 them, in :func:`storm_partition`, which AOTAutograd calls with the joint graph.
@@ -36,7 +36,7 @@ PASSES: tuple[Pass, ...] = (
 
 
 def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    """Run every pass in order, verifying the graphs after each and naming the pass that broke them."""
+    """Run every pass in order, verifying the graphs after each; a failure names the pass."""
     for storm_pass in PASSES:
         graphs = storm_pass(graphs, ctx)
         try:

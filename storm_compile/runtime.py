@@ -85,7 +85,7 @@ class TransferRuntime:
 
     def launch_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
                     device: torch.device) -> None:
-        """Copy ``src`` into ``dst`` on ``stream`` after everything the compute stream has queued."""
+        """Copy ``src`` into ``dst`` on ``stream``, after all the compute stream has queued."""
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)

@@ -109,7 +109,7 @@ LANE_TIDS = {"compute": 1, "d2h": 2, "h2d": 3}
 
 
 def chrome_trace(prediction: Prediction) -> dict[str, object]:
-    """The predicted timeline as Chrome trace JSON (ui.perfetto.dev opens it): one track per lane."""
+    """The predicted timeline as Chrome trace JSON, one track per lane (ui.perfetto.dev)."""
     events: list[dict[str, object]] = [
         {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane}}
         for lane, tid in LANE_TIDS.items()]

@@ -5,9 +5,10 @@ lane at the moment the compute lane reaches it (the copy stream first waits on t
 stream), copies on a lane run one after another, and a ``wait_event`` holds the compute lane
 until its copy is done. When copies run in both directions at once they share the link's duplex
 bandwidth. Device memory: a tensor's storage is allocated when its owner runs (unless a fused
-chain keeps it in registers) and released after the last use of the storage; forward inputs (weights, inputs) are the baseline every figure is
-taken above. With ``ignore_transfers`` the storm nodes cost nothing and every transferred tensor
-counts as staying on the device, which predicts the graphs without storm.
+chain keeps it in registers) and released after the last use of the storage; forward inputs
+(weights, inputs) are the baseline every figure is taken above. With ``ignore_transfers`` the
+storm nodes cost nothing and every transferred tensor counts as staying on the device, which
+predicts the graphs without storm.
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
             copy = node.args[0].args[0]
             t = max(t, link.finish_time(copy))
             stall += t - begin
-        elif node.op == "call_function" and not is_view(node) and node.target is not operator.getitem:
+        elif node.op == "call_function" and not is_view(node) \
+                and node.target is not operator.getitem:
             t += cost.compute_seconds(node)
         else:
             lane = "-"
@@ -207,7 +209,8 @@ def simulate(graphs: StormGraphs, cost: CostModel, ignore_transfers: bool = Fals
     persistent = {n for n in bw_inputs if n.name in input_views}
     on_device = [n for n in bw_inputs if n not in persistent
                  and (ignore_transfers or n not in host_inputs)]
-    visible = [n for n in output_node(fw).args[0][:graphs.num_fwd_outputs] if isinstance(n, fx.Node)]
+    visible = [n for n in output_node(fw).args[0][:graphs.num_fwd_outputs]
+               if isinstance(n, fx.Node)]
     bw_live = baseline + sum(_storage_bytes(n) for n in visible) + sum(
         _storage_bytes(n) for n in on_device)
     bw_end, _, bw_peak, bw_stall = _walk(bw, "bw", cost, link, fw_end, bw_live, on_device,

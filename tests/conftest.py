@@ -5,7 +5,7 @@ import torch._dynamo
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Each test compiles from scratch, so no test sees another's cached graphs or recompile limits."""
+    """Each test compiles from scratch: no cached graphs or recompile limits leak across."""
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

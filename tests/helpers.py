@@ -20,7 +20,8 @@ SEED = 0
 STEP_SEED = 1
 
 
-def step(name: str, backend) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def step(name: str, backend
+         ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Build zoo model ``name`` (fixed seed), run one forward/backward through ``backend``
     (None for eager), and return the loss, every parameter gradient and every buffer."""
     torch.manual_seed(SEED)

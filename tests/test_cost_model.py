@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-from torch import fx
 
 from storm_compile.cost_model import PROFILES, CostModel, DeviceProfile, node_flops
 from storm_compile.simulate import D2H, H2D, _Link

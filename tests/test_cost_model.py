@@ -6,7 +6,13 @@ import json
 import pytest
 import torch
 
-from storm_compile.cost_model import PROFILES, CostModel, DeviceProfile, node_flops
+from storm_compile.cost_model import (
+    ATTENTION_EFFICIENCY,
+    PROFILES,
+    CostModel,
+    DeviceProfile,
+    node_flops,
+)
 from storm_compile.simulate import D2H, H2D, _Link
 
 TEST = PROFILES["cpu-test"]
@@ -55,6 +61,8 @@ def test_causal_attention_does_half_the_work():
     causal = _node(lambda q, k, v: attend(q, k, v, True), shape, shape, shape)
     assert node_flops(full) == 4 * 2 * 128 * 128 * 64
     assert node_flops(causal) == node_flops(full) // 2
+    expected = node_flops(full) / (TEST.fp32_flops * ATTENTION_EFFICIENCY)
+    assert CostModel(TEST).compute_seconds(full) == pytest.approx(expected)
 
 
 def test_override_and_cache():

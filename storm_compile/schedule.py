@@ -98,10 +98,18 @@ def annotate(graphs: StormGraphs, cost: CostModel) -> dict[str, object]:
             "prediction": prediction}
 
 
+def _readable(key: str, value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if key.endswith("_bytes"):
+        return f"{value} ({value / (1 << 30):.3f} GiB)"
+    return str(value)
+
+
 def format_table(annotated: dict[str, object]) -> str:
     table = tabulate(annotated["nodes"], headers="keys", tablefmt="simple", floatfmt=".1f")
-    totals = tabulate(list(annotated["summary"].items()), headers=["summary", "value"],
-                      floatfmt=".3f")
+    totals = tabulate([(k, _readable(k, v)) for k, v in annotated["summary"].items()],
+                      headers=["summary", "value"], disable_numparse=True)
     return f"{table}\n\n{totals}"
 
 

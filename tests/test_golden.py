@@ -94,16 +94,16 @@ bw       mm_4                  mm.default                  compute            1.
 bw       output                output                      -                  0.0                 0            0.0                        1600
 
 summary                    value
--------------------------  --------------------
+-------------------------  ----------------
 profile                    cpu-test
-predicted_step_ms          0.026409600000000002
-baseline_step_ms           0.01
-exposed_transfer_ms        0.0164096
-activation_bytes           320
-baseline_activation_bytes  2368
-peak_bytes                 6720
-baseline_peak_bytes        6720
-offloaded_bytes            2048
+predicted_step_ms          0.026
+baseline_step_ms           0.010
+exposed_transfer_ms        0.016
+activation_bytes           320 (0.000 GiB)
+baseline_activation_bytes  2368 (0.000 GiB)
+peak_bytes                 6720 (0.000 GiB)
+baseline_peak_bytes        6720 (0.000 GiB)
+offloaded_bytes            2048 (0.000 GiB)
 offloaded_storages         1
 kept_storages              3
 """

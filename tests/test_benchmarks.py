@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from benchmarks import activation_memory
 from benchmarks.trace_analysis import analyse
@@ -16,8 +17,9 @@ def test_smoke_writes_table_and_json(tmp_path):
     assert sorted(r["method"] for r in rows) == sorted(activation_memory.methods(cpu=True))
     assert rows[0]["method"] == activation_memory.REFERENCE
     failed = [r for r in rows if "error" in r]
-    assert [r["method"] for r in failed] == ["storm-measured"], "only the GPU-timing preset fails"
-    assert "CUDA" in failed[0]["error"]
+    needs_cuda = [] if torch.cuda.is_available() else ["storm-measured"]
+    assert [r["method"] for r in failed] == needs_cuda, "only the GPU-timing preset may fail"
+    assert all("CUDA" in r["error"] for r in failed)
     ran = [r for r in rows if "error" not in r]
     assert all(r["step_ms"] > 0 for r in ran)
     assert all(r["grad_rel_error"] < 1e-3 for r in ran if r["method"] != "compile")
@@ -47,6 +49,7 @@ def test_failing_method_is_reported_and_run_continues(tmp_path, monkeypatch):
     assert "step_ms" in rows[2]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 def test_no_cuda_exits_2(capsys):
     assert activation_memory.main(["--quick"]) == activation_memory.EXIT_NO_CUDA
     assert "no CUDA device" in capsys.readouterr().err

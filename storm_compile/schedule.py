@@ -77,6 +77,7 @@ def summary(graphs: StormGraphs, prediction: Prediction, baseline: Prediction,
     return {
         "profile": profile,
         "predicted_step_ms": prediction.step_s * MS,
+        "predicted_forward_ms": prediction.forward_s * MS,
         "baseline_step_ms": baseline.step_s * MS,
         "exposed_transfer_ms": prediction.exposed_transfer_s * MS,
         "activation_bytes": prediction.activation_bytes,

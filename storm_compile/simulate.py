@@ -35,7 +35,6 @@ class NodeTiming:
     lane: str
     start_s: float
     end_s: float
-    transfer_bytes: int
     memory_after: int
     """Device bytes live after the node, above forward inputs (weights and inputs)."""
 
@@ -166,13 +165,12 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
     allocated = {node: _storage_bytes(node) for node in held}
     t, peak, stall = start, live, 0.0
     for index, node in enumerate(gm.graph.nodes):
-        lane, begin, transfer = COMPUTE, t, 0
+        lane, begin = COMPUTE, t
         if node.target in ops.TRANSFER_OPS and ignore_transfers:
             lane = "-"
         elif node.target in (ops.offload, ops.prefetch):
             lane = D2H if node.target is ops.offload else H2D
-            transfer = _storage_bytes(node)
-            link.enqueue(node, lane, transfer, t)
+            link.enqueue(node, lane, _storage_bytes(node), t)
         elif node.target is ops.wait_event:
             copy = node.args[0].args[0]
             t = max(t, link.finish_time(copy))
@@ -189,7 +187,7 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
             peak = max(peak, live)
         for owner in memory.release_at.get(index, ()):
             live -= allocated.pop(owner, 0)
-        timings.append(NodeTiming(name, node.name, lane, begin, t, transfer, live - baseline))
+        timings.append(NodeTiming(name, node.name, lane, begin, t, live - baseline))
     return t, live, peak, stall
 
 

@@ -97,6 +97,7 @@ summary                    value
 -------------------------  ----------------
 profile                    cpu-test
 predicted_step_ms          0.026
+predicted_forward_ms       0.012
 baseline_step_ms           0.010
 exposed_transfer_ms        0.016
 activation_bytes           320 (0.000 GiB)

@@ -23,9 +23,14 @@ Backward (each of ``h1..hk`` now holds the host copy; only ``h1`` is read)::
     r_dev       = storm.prefetch(h1, device)
     r_dev_ready = storm.record_event(r_dev)
     ...
-    r_dev_done  = storm.wait_event(r_dev_ready, h1)   # right before the first use of h1..hk
+    r_dev_done  = storm.wait_event(r_dev_ready, h1)   # right before the first read of h1..hk
     mi = <the forward's view ops from r to mi, replayed on r_dev_done>   # for each i
-    first_use(...)                                    # every former use of hi reads mi
+    <the backward's views of h1..hk, moved here in their order>
+    first_read(...)                                   # every former use of hi reads mi
+
+A read is a non-view user of ``hi`` or of a view of it: the backward's views of a saved value
+cost nothing and often sit at its top, so the wait goes before the first node that reads the
+data, and those views move after the wait.
 
 ``meta["val"]`` of every new node, and of ``h1..hk``, comes from the ops' fake implementations;
 the replayed views have the strides the backward was traced with.
@@ -51,6 +56,7 @@ from storm_compile.graphs import (
     output_node,
     saved_values,
     view_chain,
+    view_closure,
 )
 
 
@@ -95,7 +101,8 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
     source = placeholders[0]
     users = {h: list(h.users) for h in placeholders}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    first_use = min((u for us in users.values() for u in us), key=order.__getitem__)
+    closures = [view_closure(h) for h in placeholders]
+    first_use = min((r for _, readers in closures for r in readers), key=order.__getitem__)
     anchor = graph.find_nodes(op="placeholder")[-1] if prefetch_after is None \
         else _node(graph, prefetch_after)
     with graph.inserting_after(anchor):
@@ -110,25 +117,41 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
                 rebuilt = _emit(graph, view.target, (rebuilt, *view.args[1:]), dict(view.kwargs))
             for user in users[h]:
                 user.replace_input_with(h, rebuilt)
+    for view in sorted((v for views, _ in closures for v in views), key=order.__getitem__):
+        first_use.prepend(view)
+
+
+def _first_read(graphs: StormGraphs, saved: list[fx.Node], order: dict[fx.Node, int]) -> int:
+    return min(order[r] for m in saved for r in view_closure(backward_placeholder(graphs, m))[1])
 
 
 def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Copies that share an anchor node are inserted last-first, so that each lane's queue (graph
+    order) is the scheduler's: D2H by production, H2D by first read."""
     groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for node in saved_values(graphs):
         decision = node.meta.get(DECISION_KEY)
         if decision is not None and decision.action == "offload":
             groups[alias_root(node)].append(node)
     out = output_node(graphs.forward)
-    for root, saved in groups.items():
+    forward_order = {n: i for i, n in enumerate(graphs.forward.graph.nodes)}
+    backward_order = {n: i for i, n in enumerate(graphs.backward.graph.nodes)}
+    by_read = sorted(groups, key=lambda r: _first_read(graphs, groups[r], backward_order),
+                     reverse=True)
+    for root in sorted(groups, key=forward_order.__getitem__, reverse=True):
+        saved = groups[root]
         decision = saved[0].meta[DECISION_KEY]
         done = _offload_in_forward(graphs.forward.graph, root, decision.offload_after,
                                    decision.wait_after, ctx)
         out.args = (tuple(done if n in saved else n for n in out.args[0]),)
-        members = {backward_placeholder(graphs, m): m for m in saved}
-        for h in members:
+        for h in (backward_placeholder(graphs, m) for m in saved):
             h.meta["val"] = done.meta["val"]
             h.meta.pop("tensor_meta", None)
-        _prefetch_in_backward(graphs.backward.graph, members, decision.prefetch_after,
+    for root in by_read:
+        saved = groups[root]
+        members = {backward_placeholder(graphs, m): m for m in saved}
+        _prefetch_in_backward(graphs.backward.graph, members,
+                              saved[0].meta[DECISION_KEY].prefetch_after,
                               root.meta["val"].device)
         for member in saved:
             for view in reversed(view_chain(member)):

@@ -8,12 +8,14 @@ the op's host cost, ``HOST_COVER_S``), ``wait_after`` (the forward node after wh
 compute stream waits on the copy: the first node, at or after the storage's last forward use,
 whose predicted end is at or after the copy's predicted end) and ``prefetch_after`` (the
 backward node after which the prefetch is issued, None for right after the graph inputs: the
-latest point that leaves ``PREFETCH_SLACK_FRACTION`` of the copy time as slack, or else the
-earliest point ``prefetch_window_bytes`` of prefetched-but-unused tensors allows). Copies queue on
-their lane in order: D2H copies by production order, H2D copies by first use. With
-``offload="hidden"`` a storage whose D2H copy would end after the forward's last compute node,
-or whose H2D copy would end after its first backward use, is turned back to ``keep`` with the
-figures in its reason; with ``offload="all"`` it stays and the compute stream will wait.
+latest point that leaves ``PREFETCH_SLACK_FRACTION`` of the copy time as slack before its first
+read and before the next copy on the lane). Copies queue on their lane in order: D2H copies by
+production order, H2D copies by first read (the first node reading the data; views of it do
+not count). With ``offload="hidden"`` a storage whose D2H copy would end after the forward's last
+compute node, whose H2D copy would end after its first backward read, or whose prefetch would
+hold more than ``prefetch_window_bytes`` of prefetched-but-unread tensors, is turned back to
+``keep`` with the figures in its reason; with ``offload="all"`` it stays and the compute stream
+will wait.
 Every placed decision's reason gives the predicted slack of both copies (positive: hidden).
 Emits: no nodes; only decisions change.
 """
@@ -35,6 +37,7 @@ from storm_compile.graphs import (
     backward_placeholder,
     is_view,
     saved_values,
+    view_closure,
 )
 
 US = 1e6
@@ -107,54 +110,51 @@ def _in_flight(intervals: list[tuple[int, int, int]], at: int) -> int:
     return sum(nbytes for issue, use, nbytes in intervals if issue <= at < use)
 
 
-def _fits(intervals, point, inputs_end, order, use, nbytes, window) -> bool:
-    """Whether a prefetch issued after ``point`` keeps in-flight bytes within the window until
-    ``use``: checked where in-flight bytes can rise, at the issue and at later issues."""
-    at = inputs_end if point is None else order[point]
-    checks = [at] + [issue for issue, _, _ in intervals if at <= issue < order[use]]
+def _fits(intervals: list[tuple[int, int, int]], issue: int, use: int, nbytes: int,
+          window: int) -> bool:
+    """Whether a prefetch issued at index ``issue`` and read at ``use`` keeps prefetched-but-unread
+    bytes within the window: checked where they can rise, at its issue and at later issues."""
+    checks = [issue] + [i for i, _, _ in intervals if issue <= i < use]
     return all(_in_flight(intervals, q) + nbytes <= window for q in checks)
 
 
 def _schedule_backward(graphs: StormGraphs, groups: dict[fx.Node, list[fx.Node]],
                        ctx: PassContext) -> None:
+    """Latest-first list scheduling on the H2D lane: storages are taken from the last read to
+    the first, and each copy is placed to end ``PREFETCH_SLACK_FRACTION`` of its duration before
+    its first read, or before the next copy on the lane starts, whichever is earlier; it is
+    issued after the last compute node that ends before that start."""
     nodes, start, end = _timeline(graphs.backward)
     order = {n: i for i, n in enumerate(nodes)}
     inputs_end = max(order[n] for n in graphs.backward.graph.find_nodes(op="placeholder"))
-    issue_points = [None] + [n for n in nodes if n.meta[COST_KEY].is_compute]
-    first_use = {root: min((u for m in members for u in backward_placeholder(graphs, m).users),
-                           key=order.__getitem__) for root, members in groups.items()}
-    lane_free, intervals = 0.0, []
+    compute = [n for n in nodes if n.meta[COST_KEY].is_compute]
+    first_read = {root: min((r for m in members
+                             for r in view_closure(backward_placeholder(graphs, m))[1]),
+                            key=order.__getitem__) for root, members in groups.items()}
+    lane_start, intervals = float("inf"), []
     window = ctx.config.prefetch_window_bytes
-    for root in sorted(groups, key=lambda r: order[first_use[r]]):
+    for root in sorted(groups, key=lambda r: order[first_read[r]], reverse=True):
         decision: OffloadDecision = root.meta[DECISION_KEY]
-        use, nbytes = first_use[root], decision.storage_bytes
+        use, nbytes = first_read[root], decision.storage_bytes
         copy = ctx.cost.transfer_seconds(nbytes, "h2d")
-        feasible = [p for p in issue_points
-                    if (inputs_end if p is None else order[p]) < order[use]
-                    and _fits(intervals, p, inputs_end, order, use, nbytes, window)]
-        if not feasible:
-            if ctx.config.offload == "hidden":
-                _keep(groups[root] + [root], f"prefetch window ({window} bytes) full until its "
-                                             f"first backward use ({use.name})")
-                continue
-            feasible = [max((p for p in issue_points if p is not None and order[p] < order[use]),
-                            key=order.__getitem__, default=None)]
-
-        def copy_end(point):
-            return max(0.0 if point is None else end[point], lane_free) + copy
-
-        in_time = [p for p in feasible
-                   if start[use] - copy_end(p) >= PREFETCH_SLACK_FRACTION * copy]
-        chosen = in_time[-1] if in_time else feasible[0]
-        late = copy_end(chosen) - start[use]
-        if late > 0 and ctx.config.offload == "hidden":
-            _keep(groups[root] + [root], f"H2D copy would end {late * US:.0f} µs after its first "
-                                         f"backward use ({use.name})")
+        copy_start = min(start[use] - PREFETCH_SLACK_FRACTION * copy, lane_start) - copy
+        point = next((n for n in reversed(compute)
+                      if order[n] < order[use] and end[n] <= copy_start), None)
+        issue = inputs_end if point is None else order[point]
+        late = max(0.0, -copy_start - PREFETCH_SLACK_FRACTION * copy)
+        fits = _fits(intervals, issue, order[use], nbytes, window)
+        if ctx.config.offload == "hidden" and (late > 0 or not fits):
+            reason = (f"H2D copy would end {late * US:.0f} µs after its first backward read "
+                      f"({use.name})" if late > 0 else
+                      f"prefetch window ({window} bytes) full before its first backward read "
+                      f"({use.name})")
+            _keep(groups[root] + [root], reason)
             continue
-        _place(groups[root] + [root], prefetch_after=None if chosen is None else chosen.name,
-               reason=f"{decision.reason}, H2D slack {-late * US:+.0f} µs")
-        lane_free = copy_end(chosen)
-        intervals.append((inputs_end if chosen is None else order[chosen], order[use], nbytes))
+        slack = start[use] - (max(copy_start, 0.0) + copy)
+        _place(groups[root] + [root], prefetch_after=None if point is None else point.name,
+               reason=f"{decision.reason}, H2D slack {slack * US:+.0f} µs")
+        lane_start = max(copy_start, 0.0)
+        intervals.append((issue, order[use], nbytes))
 
 
 def _offload_groups(graphs: StormGraphs) -> dict[fx.Node, list[fx.Node]]:

@@ -130,6 +130,22 @@ def view_chain(node: fx.Node) -> list[fx.Node]:
     return chain[::-1]
 
 
+def view_closure(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The views of ``node`` reached through views only, and the non-view users of ``node`` and
+    of those views (the nodes that read its data). Both lists are in graph order."""
+    views, readers, frontier = [], [], [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if is_view(user) and user.args and user.args[0] is current:
+                views.append(user)
+                frontier.append(user)
+            elif user not in readers:
+                readers.append(user)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(views, key=order.__getitem__), sorted(readers, key=order.__getitem__)
+
+
 def alias_root(node: fx.Node) -> fx.Node:
     """The node that owns the storage ``node`` reads (``node`` itself unless it is a view)."""
     chain = view_chain(node)

@@ -45,10 +45,10 @@ def forward(self, relu, detach_2, t_1, t_2, tangents_1):
     tanh_backward = torch.ops.aten.tanh_backward.default(expand, detach_2);  expand = detach_2 = None
     wait_event_default = torch.ops.storm.wait_event.default(record_event_default, relu);  record_event_default = relu = None
     t = torch.ops.aten.t.default(wait_event_default)
-    mm_2 = torch.ops.aten.mm.default(t, tanh_backward);  t = None
-    mm_3 = torch.ops.aten.mm.default(tanh_backward, t_1);  tanh_backward = t_1 = None
     detach = torch.ops.aten.detach.default(wait_event_default);  wait_event_default = None
     detach_3 = torch.ops.aten.detach.default(detach);  detach = None
+    mm_2 = torch.ops.aten.mm.default(t, tanh_backward);  t = None
+    mm_3 = torch.ops.aten.mm.default(tanh_backward, t_1);  tanh_backward = t_1 = None
     threshold_backward = torch.ops.aten.threshold_backward.default(mm_3, detach_3, 0);  mm_3 = detach_3 = None
     mm_4 = torch.ops.aten.mm.default(t_2, threshold_backward);  t_2 = threshold_backward = None
     return (None, mm_4, mm_2)
@@ -85,10 +85,10 @@ bw       expand                expand.default              -                  0.
 bw       tanh_backward         tanh_backward.default       compute            1.0                 0            0.0                        2368
 bw       wait_event_default    wait_event.default          compute            9.2                 0            0.0  wait ev0              2368
 bw       t                     t.default                   -                  0.0                 0            0.0                        2368
+bw       detach                detach.default              -                  0.0                 0            0.0                        2368
+bw       detach_3              detach.default              -                  0.0                 0            0.0                        2368
 bw       mm_2                  mm.default                  compute            1.0                 0            0.0                        2880
 bw       mm_3                  mm.default                  compute            1.0                 0            0.0                        4672
-bw       detach                detach.default              -                  0.0                 0            0.0                        4672
-bw       detach_3              detach.default              -                  0.0                 0            0.0                        4672
 bw       threshold_backward    threshold_backward.default  compute            1.0                 0            0.0                        2624
 bw       mm_4                  mm.default                  compute            1.0                 0            0.0                        1600
 bw       output                output                      -                  0.0                 0            0.0                        1600

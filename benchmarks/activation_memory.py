@@ -131,7 +131,8 @@ class _StormRun:
     def predict(self) -> dict:
         cost = self.backend.ctx.cost
         graphs = self.graphs[0]
-        ours, baseline = simulate(graphs, cost), simulate(graphs, cost, ignore_transfers=True)
+        ours, plan = simulate(graphs, cost), graphs.plan
+        baseline = plan.baseline
         return {"profile": cost.profile.name, "pred_step_ms": ours.step_s * 1e3,
                 "pred_exposed_ms": ours.exposed_transfer_s * 1e3,
                 "pred_activation_gib": ours.activation_bytes / GIB,
@@ -139,11 +140,18 @@ class _StormRun:
                 "pred_baseline_step_ms": baseline.step_s * 1e3,
                 "pred_baseline_activation_gib": baseline.activation_bytes / GIB,
                 "pred_baseline_peak_gib": baseline.peak_bytes / GIB,
-                "pred_offloaded_gib": ours.offloaded_bytes / GIB}
+                "pred_offloaded_gib": ours.offloaded_bytes / GIB,
+                "pred_recomputed_gib": plan.recompute_bytes / GIB,
+                "budget_gib": None if plan.target_bytes is None else plan.target_bytes / GIB}
+
+
+CPU_STORM_OPTIONS = {"transfer_cpu_tensors": True, "min_offload_bytes": 0}
+"""On the CPU (smoke runs) the tiny model's activations are all below the default
+``min_offload_bytes``; planning every one of them keeps the budget presets feasible."""
 
 
 def _storm_method(name: str, options: dict, cpu: bool) -> Method:
-    run = _StormRun({**options, "transfer_cpu_tensors": True} if cpu else options)
+    run = _StormRun({**options, **CPU_STORM_OPTIONS} if cpu else options)
     return Method(name, run.wrap, pinned_bytes=_storm_pool_bytes, predict=run.predict)
 
 
@@ -327,8 +335,9 @@ def run_config(name: str, shape: GPTShape, chosen: list[Method], dev: _Device, a
             if method.name == REFERENCE:
                 reference_grads = rows[-1].pop("grads")
         except Exception as error:  # a failing method is reported in its row; the run goes on
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            rows.append({"method": method.name, "error": f"{type(error).__name__}: {first_line}"})
+            cause = getattr(error, "inner_exception", None) or error
+            first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            rows.append({"method": method.name, "error": f"{type(cause).__name__}: {first_line}"})
         finally:
             if dev.cuda:
                 torch.cuda.empty_cache()

@@ -101,7 +101,7 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
     source = placeholders[0]
     users = {h: list(h.users) for h in placeholders}
     order = {n: i for i, n in enumerate(graph.nodes)}
-    closures = [view_closure(h) for h in placeholders]
+    closures = [view_closure(h, order) for h in placeholders]
     first_use = min((r for _, readers in closures for r in readers), key=order.__getitem__)
     anchor = graph.find_nodes(op="placeholder")[-1] if prefetch_after is None \
         else _node(graph, prefetch_after)
@@ -122,7 +122,7 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
 
 
 def _first_read(graphs: StormGraphs, saved: list[fx.Node], order: dict[fx.Node, int]) -> int:
-    return min(order[r] for m in saved for r in view_closure(backward_placeholder(graphs, m))[1])
+    return min(order[r] for m in saved for r in view_closure(backward_placeholder(graphs, m), order)[1])
 
 
 def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:

@@ -1,10 +1,10 @@
-"""Decide, for every value saved for the backward, whether its storage stays on the device or is
-offloaded to pinned host memory.
+"""Decide, for every value saved for the backward, whether its storage may leave the device
+(be offloaded to pinned host memory, or recomputed) or must stay.
 
 The unit is a storage: the saved values that share one (a tensor and its views, or several views
 of one buffer, such as q, k and v split from a fused QKV projection) are decided together, since
 the device memory is freed only when none of them is held any more. This pass says which
-storages *may* move; ``schedule_transfers`` then keeps the ones whose copies would not hide.
+storages *may* move (``action == "offload"``); ``plan_memory`` then decides what each one does.
 
 Assumes: ``annotate_costs`` ran; the graphs are a partitioner's forward/backward pair.
 Guarantees: every saved forward value, and the node owning its storage, has

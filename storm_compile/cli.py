@@ -6,6 +6,9 @@ in execution order: streams, events, predicted compute and transfer times and de
 with the predicted step against the same graphs without storm underneath. The tensors live on
 the CPU while tracing, so activations are planned as they would be on the profile's GPU.
 
+``storm pareto MODEL`` plans the same model under a sweep of memory budgets and prints the
+predicted frontier: budget → step time, peak, bytes offloaded and recomputed.
+
 ``storm calibrate`` measures the present GPU into a profile JSON.
 """
 
@@ -31,7 +34,15 @@ from storm_compile.config import StormConfig, StormOptionError
 from storm_compile.cost_model import CostModel, resolve_profile
 from storm_compile.graphs import PassContext, StormGraphs
 from storm_compile.models import BUILTIN_MODELS, GPTShape, ModelSpecError, build_gpt, load_factory
-from storm_compile.schedule import annotate, chrome_trace, format_table
+from storm_compile.passes import StormBudgetError
+from storm_compile.schedule import (
+    annotate,
+    chrome_trace,
+    format_pareto,
+    format_table,
+    pareto_points,
+    pareto_svg,
+)
 
 EXIT_USAGE = 2
 """Exit status for bad input (argparse's convention)."""
@@ -41,28 +52,52 @@ DEFAULT_PROFILE = "h100"
 """The GPU the project's anchors were measured on."""
 
 
+PARETO_FRACTIONS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.1)
+"""Budgets ``storm pareto`` sweeps, as fractions of the no-storm activation memory; the graph's
+minimum feasible budget is added as the last point."""
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help=f"one of {', '.join(BUILTIN_MODELS)}, "
+                                      f"or path/to/file.py:factory returning (model, inputs)")
+    defaults = GPTShape()
+    for knob in _GPT_KNOBS:
+        parser.add_argument(f"--{knob.replace('_', '-')}", default=None,
+                            type=str if knob == "dtype" else int,
+                            help=f"gpt only (default {getattr(defaults, knob)})")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE,
+                        help=f"device profile: a built-in name or a JSON path "
+                             f"(default {DEFAULT_PROFILE})")
+    parser.add_argument("--min-offload-bytes", default=None,
+                        help="storm option min_offload_bytes (bytes or e.g. 4MiB)")
+    parser.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
+                        help="storm option recompute=False: plan with offloads only")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="storm", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     schedule = commands.add_parser(
         "schedule", help="print the annotated forward/backward schedule of a model")
-    schedule.add_argument("model", help=f"one of {', '.join(BUILTIN_MODELS)}, "
-                                        f"or path/to/file.py:factory returning (model, inputs)")
-    defaults = GPTShape()
-    for knob in _GPT_KNOBS:
-        schedule.add_argument(f"--{knob.replace('_', '-')}", default=None,
-                              type=str if knob == "dtype" else int,
-                              help=f"gpt only (default {getattr(defaults, knob)})")
-    schedule.add_argument("--profile", default=DEFAULT_PROFILE,
-                          help=f"device profile: a built-in name or a JSON path "
-                               f"(default {DEFAULT_PROFILE})")
+    _model_arguments(schedule)
     schedule.add_argument("--offload", choices=("hidden", "all"), default=None,
                           help="storm option offload")
-    schedule.add_argument("--min-offload-bytes", default=None,
-                          help="storm option min_offload_bytes (bytes or e.g. 4MiB)")
-    schedule.add_argument("--format", choices=("table", "json"), default="table")
+    schedule.add_argument("--memory-budget", default=None,
+                          help="storm option memory_budget: bytes (e.g. 12GiB), a fraction "
+                               "such as 0.5, or auto")
+    schedule.add_argument("--max-overhead", type=float, default=None,
+                          help="storm option max_overhead (for --memory-budget auto)")
     schedule.add_argument("--trace", type=Path, default=None,
                           help="write the predicted timeline as a Chrome/Perfetto trace JSON")
+    pareto = commands.add_parser(
+        "pareto", help="print the predicted step time and memory over a sweep of budgets")
+    _model_arguments(pareto)
+    pareto.add_argument("--budgets", default=None,
+                        help=f"comma-separated budgets (fractions or sizes; default "
+                             f"{','.join(map(str, PARETO_FRACTIONS))} and the minimum)")
+    pareto.add_argument("--plot", type=Path, default=None,
+                        help="write the frontier as an SVG picture")
     calibrate_cmd = commands.add_parser("calibrate", help="measure the present GPU into a profile")
     calibrate_cmd.add_argument("--out", type=Path, default=None,
                                help="profile JSON to write (default: the backend's cache)")
@@ -111,18 +146,32 @@ def _trace(args: argparse.Namespace, ctx: PassContext) -> StormGraphs:
     return captured[0]
 
 
-def _schedule(args: argparse.Namespace) -> int:
-    options = {"inner": "eager", "transfer_cpu_tensors": True}
-    for name in ("offload", "min_offload_bytes"):
-        if getattr(args, name) is not None:
+def _budget(text: str) -> float | str:
+    """A budget as typed on the command line: fractions stay floats, anything else a string."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _context(args: argparse.Namespace, **options) -> PassContext:
+    options = {"inner": "eager", "transfer_cpu_tensors": True, **options}
+    for name in ("offload", "min_offload_bytes", "recompute", "max_overhead"):
+        if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     config = StormConfig.from_options(**options)
     try:
         cost = CostModel(resolve_profile(args.profile))
     except ValueError as error:
         raise StormOptionError(str(error)) from error
-    graphs = _trace(args, PassContext(config, cost))
-    annotated = annotate(graphs, cost)
+    return PassContext(config, cost)
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    budget = {} if args.memory_budget is None else {"memory_budget": _budget(args.memory_budget)}
+    ctx = _context(args, **budget)
+    graphs = _trace(args, ctx)
+    annotated = annotate(graphs, ctx.cost)
     prediction = annotated.pop("prediction")
     if args.trace is not None:
         args.trace.write_text(json.dumps(chrome_trace(prediction)))
@@ -130,6 +179,26 @@ def _schedule(args: argparse.Namespace) -> int:
         print(json.dumps(annotated, indent=1))
     else:
         print(format_table(annotated))
+    return 0
+
+
+def _pareto(args: argparse.Namespace) -> int:
+    budgets: list[float | str] = ([_budget(b) for b in args.budgets.split(",")] if args.budgets
+                                  else [*PARETO_FRACTIONS, None])
+    rows = []
+    for budget in budgets:
+        if budget is None:
+            budget = rows[0]["minimum_activation_bytes"]
+        ctx = _context(args, memory_budget=budget)
+        summary = annotate(_trace(args, ctx), ctx.cost)["summary"]
+        rows.append({"budget": budget, **summary})
+    points = pareto_points(rows)
+    if args.plot is not None:
+        args.plot.write_text(pareto_svg(points, title=args.model))
+    if args.format == "json":
+        print(json.dumps(points, indent=1))
+    else:
+        print(format_pareto(points))
     return 0
 
 
@@ -147,9 +216,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    commands = {"schedule": _schedule, "pareto": _pareto, "calibrate": _calibrate}
     try:
-        return _schedule(args) if args.command == "schedule" else _calibrate(args)
-    except (ModelSpecError, StormOptionError) as error:
+        return commands[args.command](args)
+    except (ModelSpecError, StormOptionError, StormBudgetError) as error:
         print(f"storm: error: {error}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -31,10 +31,20 @@ InnerCompiler = Literal["inductor", "eager"]
 OffloadMode = Literal["hidden", "all"]
 CostMode = Literal["roofline", "measured"]
 
+DEFAULT_MAX_OVERHEAD = 0.02
+"""``memory_budget="auto"`` saves as much activation memory as a predicted step-time overhead of
+this fraction allows: within run-to-run noise of a training step, so "free" in practice."""
+
+BUDGET_SWEEP = (0.75, 0.5, 0.25, 0.06)
+"""Fractions of the no-storm activation memory the ``storm-budget-*`` presets ask for: the
+issue's three targets (-25 %, -50 %, full activation checkpointing's ~6 %) and a midpoint."""
+
 PRESETS: dict[str, dict[str, object]] = {
     "storm": {},
     "storm-measured": {"cost": "measured"},
     "storm-all": {"offload": "all"},
+    "storm-auto": {"memory_budget": "auto"},
+    **{f"storm-budget-{fraction}": {"memory_budget": fraction} for fraction in BUDGET_SWEEP},
 }
 """Named option sets the backend offers; the benchmark harness measures each one."""
 
@@ -45,6 +55,34 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 class StormOptionError(ValueError):
     """An option given to ``storm(...)`` is unknown, of the wrong type or out of range."""
+
+
+BUDGET_FORMS = ("an int of bytes", "a size string such as '12GiB' or '512 MB'",
+                "a fraction in (0, 1] of the activation memory without storm, such as 0.5",
+                "'auto'")
+
+
+def parse_budget(value: object) -> int | float | str | None:
+    """Read ``memory_budget``: None, bytes (int or size string), a fraction, or ``"auto"``."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise StormOptionError(f"storm option 'memory_budget': a fraction must be in (0, 1], "
+                                   f"got {value}; accepted forms: {'; '.join(BUDGET_FORMS)}")
+        return value
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            nbytes = parse_bytes(value, "memory_budget")
+        except StormOptionError:
+            raise StormOptionError(f"storm option 'memory_budget': cannot read {value!r}; "
+                                   f"accepted forms: {'; '.join(BUDGET_FORMS)}; size units: "
+                                   f"{', '.join(u for u in _SIZE_UNITS if u)}") from None
+        if nbytes < 0:
+            raise StormOptionError(f"storm option 'memory_budget': must be >= 0, got {nbytes}")
+        return nbytes
+    raise StormOptionError(f"storm option 'memory_budget': got {type(value).__name__} "
+                           f"{value!r}; accepted forms: {'; '.join(BUDGET_FORMS)}")
 
 
 def parse_bytes(value: int | str, option: str) -> int:
@@ -81,8 +119,22 @@ class StormConfig:
 
     offload: OffloadMode = "hidden"
     """``"hidden"``: offload only the storages whose copies the cost model predicts to hide
-    under compute, both ways. ``"all"``: every storage that can be offloaded, even when the
-    compute stream has to wait for the link."""
+    under compute, both ways. ``"all"``: every storage that can leave the device does: offloaded,
+    or recomputed in the backward where that is predicted cheaper than waiting for the link."""
+
+    memory_budget: int | float | str | None = None
+    """Cap on activation memory (device memory held for the backward at the end of the forward,
+    per compiled graph): bytes (``"12GiB"`` accepted), a fraction in (0, 1] of the activation
+    memory without storm, or ``"auto"`` (the most memory saved at a predicted step-time overhead
+    within ``max_overhead``). The planner keeps, offloads or recomputes each saved activation to
+    meet it at the least predicted step time. None: no cap, offload what hides."""
+
+    max_overhead: float = DEFAULT_MAX_OVERHEAD
+    """Predicted step-time overhead ``memory_budget="auto"`` may spend, as a fraction."""
+
+    recompute: bool = True
+    """Let the planner rebuild activations in the backward (through the partitioner's recompute
+    tags) where that is predicted cheaper than a copy that cannot hide. False: offloads only."""
 
     profile: str = "auto"
     """Device profile for the cost model: a built-in name (``h100``, ``h200``, ``a100-pcie``,
@@ -118,6 +170,8 @@ class StormConfig:
         for name in ("host_memory_limit", "prefetch_window_bytes", "min_offload_bytes"):
             if name in options:
                 options[name] = parse_bytes(options[name], name)
+        if "memory_budget" in options:
+            options["memory_budget"] = parse_budget(options["memory_budget"])
         config = cls(**options)
         config._validate()
         if config.host_memory_limit == 0:
@@ -142,6 +196,14 @@ class StormConfig:
                                        f"got {type(value).__name__} {value!r}")
             if value < 0:
                 raise StormOptionError(f"storm option {name!r}: must be >= 0, got {value}")
-        if not isinstance(self.transfer_cpu_tensors, bool):
-            raise StormOptionError(f"storm option 'transfer_cpu_tensors': expected a bool, "
-                                   f"got {type(self.transfer_cpu_tensors).__name__}")
+        if isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float)) \
+                or self.max_overhead < 0:
+            raise StormOptionError(f"storm option 'max_overhead': expected a fraction >= 0, "
+                                   f"got {self.max_overhead!r}")
+        if self.memory_budget is not None and self.offload == "all":
+            raise StormOptionError("storm options 'memory_budget' and offload='all' conflict: "
+                                   "'all' moves every activation off the device; give one")
+        for name in ("transfer_cpu_tensors", "recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise StormOptionError(f"storm option {name!r}: expected a bool, "
+                                       f"got {type(getattr(self, name)).__name__}")

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from storm_compile.config import StormConfig
 from storm_compile.ops import TRANSFER_OPS
 
 if TYPE_CHECKING:
     from storm_compile.cost_model import CostModel
+    from storm_compile.simulate import Prediction
 
 DECISION_KEY = "storm_decision"
 """``node.meta`` key of the :class:`OffloadDecision` the planner writes on forward nodes."""
@@ -23,17 +25,50 @@ COST_KEY = "storm_cost"
 
 
 @dataclasses.dataclass(frozen=True)
+class JointGraph:
+    """AOTAutograd's joint forward-backward graph and what its partitioner was called with."""
+
+    module: fx.GraphModule
+    inputs: Any
+    partition_kwargs: dict[str, Any]
+
+    def split(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """Partition as ``torch.compile`` does (min-cut), honouring recompute tags on nodes."""
+        return min_cut_rematerialization_partition(self.module, self.inputs,
+                                                   **self.partition_kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What ``plan_memory`` aimed at for the whole step, kept across a re-split."""
+
+    baseline: "Prediction"
+    """The step as the partitioner first split it, without storm."""
+    target_bytes: int | None
+    """Activation memory the plan must reach; None when there is no budget."""
+    minimum_bytes: int
+    """The least activation memory the first split allows: what nothing can move."""
+    recompute: tuple[str, ...]
+    """Forward nodes (storage owners and their saved views) tagged for recomputation."""
+    recompute_bytes: int
+    recompute_s: float
+    """Predicted compute the recomputation adds to the backward."""
+
+
+@dataclasses.dataclass(frozen=True)
 class StormGraphs:
     """A forward and backward graph pair as AOTAutograd's partitioner produced it.
 
     The forward returns ``num_fwd_outputs`` user-visible values (outputs, mutated inputs) followed
     by the values saved for the backward; the backward takes each saved value as a placeholder of
-    the same name.
+    the same name. ``joint`` lets a pass split again; ``plan`` is set by ``plan_memory``.
     """
 
     forward: fx.GraphModule
     backward: fx.GraphModule
     num_fwd_outputs: int
+    joint: JointGraph | None = None
+    plan: MemoryPlan | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +91,12 @@ class NodeCost:
 
 @dataclasses.dataclass(frozen=True)
 class OffloadDecision:
-    """What the planner decided for one saved value. The unit of transfer is a storage: a saved
+    """What the planner decided for one saved value: stay on the device, cross the link, or be
+    rebuilt in the backward by the partitioner. The unit of transfer is a storage: a saved
     view travels as the tensor that owns its storage (``storage``) and is rebuilt from it by
     replaying its view ops in the backward, so views sharing a storage cross the link once."""
 
-    action: Literal["keep", "offload"]
+    action: Literal["keep", "offload", "recompute"]
     reason: str
     storage: str
     """Name of the forward node owning the saved value's storage."""
@@ -130,19 +166,19 @@ def view_chain(node: fx.Node) -> list[fx.Node]:
     return chain[::-1]
 
 
-def view_closure(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+def view_closure(node: fx.Node, order: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node]]:
     """The views of ``node`` reached through views only, and the non-view users of ``node`` and
-    of those views (the nodes that read its data). Both lists are in graph order."""
-    views, readers, frontier = [], [], [node]
+    of those views (the nodes that read its data), both sorted by ``order`` (the graph's node
+    positions)."""
+    views, readers, frontier = [], set(), [node]
     while frontier:
         current = frontier.pop()
         for user in current.users:
             if is_view(user) and user.args and user.args[0] is current:
                 views.append(user)
                 frontier.append(user)
-            elif user not in readers:
-                readers.append(user)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+            else:
+                readers.add(user)
     return sorted(views, key=order.__getitem__), sorted(readers, key=order.__getitem__)
 
 

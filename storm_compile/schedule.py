@@ -70,10 +70,10 @@ def schedule_rows(graphs: StormGraphs, prediction: Prediction) -> list[ScheduleR
     return rows
 
 
-def summary(graphs: StormGraphs, prediction: Prediction, baseline: Prediction,
-            profile: str) -> dict[str, object]:
+def summary(graphs: StormGraphs, prediction: Prediction, profile: str) -> dict[str, object]:
     storages = {n.meta[DECISION_KEY].storage: n.meta[DECISION_KEY]
                 for n in graphs.forward.graph.nodes if DECISION_KEY in n.meta}
+    plan, baseline = graphs.plan, graphs.plan.baseline
     return {
         "profile": profile,
         "predicted_step_ms": prediction.step_s * MS,
@@ -82,10 +82,15 @@ def summary(graphs: StormGraphs, prediction: Prediction, baseline: Prediction,
         "exposed_transfer_ms": prediction.exposed_transfer_s * MS,
         "activation_bytes": prediction.activation_bytes,
         "baseline_activation_bytes": baseline.activation_bytes,
+        "budget_bytes": plan.target_bytes,
+        "minimum_activation_bytes": plan.minimum_bytes,
         "peak_bytes": prediction.peak_bytes,
         "baseline_peak_bytes": baseline.peak_bytes,
         "offloaded_bytes": prediction.offloaded_bytes,
+        "recomputed_bytes": plan.recompute_bytes,
+        "recompute_ms": plan.recompute_s * MS,
         "offloaded_storages": sum(d.action == "offload" for d in storages.values()),
+        "recomputed_storages": sum(d.action == "recompute" for d in storages.values()),
         "kept_storages": sum(d.action == "keep" for d in storages.values()),
     }
 
@@ -93,13 +98,14 @@ def summary(graphs: StormGraphs, prediction: Prediction, baseline: Prediction,
 def annotate(graphs: StormGraphs, cost: CostModel) -> dict[str, object]:
     """Everything the CLI prints: ``{"nodes": [...], "summary": {...}}`` and the prediction."""
     prediction = simulate(graphs, cost)
-    baseline = simulate(graphs, cost, ignore_transfers=True)
     return {"nodes": [dataclasses.asdict(r) for r in schedule_rows(graphs, prediction)],
-            "summary": summary(graphs, prediction, baseline, cost.profile.name),
+            "summary": summary(graphs, prediction, cost.profile.name),
             "prediction": prediction}
 
 
 def _readable(key: str, value: object) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return f"{value:.3f}"
     if key.endswith("_bytes"):
@@ -131,3 +137,65 @@ def chrome_trace(prediction: Prediction) -> dict[str, object]:
                        "tid": LANE_TIDS[c.lane], "ts": c.start_s * US,
                        "dur": (c.end_s - c.start_s) * US, "args": {"bytes": c.nbytes}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+PARETO_COLUMNS = ("budget_bytes", "predicted_step_ms", "step_ratio", "activation_bytes",
+                  "peak_bytes", "offloaded_bytes", "recomputed_bytes", "frontier")
+
+
+def pareto_points(summaries: list[dict[str, object]]) -> list[dict[str, object]]:
+    """One row per planned budget, with the step time relative to no storm, and whether the
+    point is on the frontier (no other point is at least as fast with no more memory)."""
+    points = [{"budget_bytes": s["budget_bytes"], "predicted_step_ms": s["predicted_step_ms"],
+               "step_ratio": s["predicted_step_ms"] / s["baseline_step_ms"],
+               "activation_bytes": s["activation_bytes"], "peak_bytes": s["peak_bytes"],
+               "offloaded_bytes": s["offloaded_bytes"], "recomputed_bytes": s["recomputed_bytes"]}
+              for s in summaries]
+    for p in points:
+        p["frontier"] = not any(
+            q is not p and q["predicted_step_ms"] <= p["predicted_step_ms"]
+            and q["activation_bytes"] <= p["activation_bytes"]
+            and (q["predicted_step_ms"], q["activation_bytes"])
+            != (p["predicted_step_ms"], p["activation_bytes"]) for q in points)
+    return points
+
+
+def format_pareto(points: list[dict[str, object]]) -> str:
+    rows = [[_readable(k, p[k]) if k.endswith("_bytes") else p[k] for k in PARETO_COLUMNS]
+            for p in points]
+    return tabulate(rows, headers=PARETO_COLUMNS, floatfmt=".3f", disable_numparse=True)
+
+
+SVG_SIZE = (640, 420)
+SVG_MARGIN = 60
+
+
+def pareto_svg(points: list[dict[str, object]], title: str) -> str:
+    """The frontier as an SVG scatter: activation memory (GiB) against predicted step (ms)."""
+    width, height = SVG_SIZE
+    xs = [p["activation_bytes"] / (1 << 30) for p in points]
+    ys = [p["predicted_step_ms"] for p in points]
+    x_max, y_min, y_max = max(xs) or 1.0, min(ys), max(ys)
+    y_span = (y_max - y_min) or 1.0
+
+    def sx(x: float) -> float:
+        return SVG_MARGIN + x / x_max * (width - 2 * SVG_MARGIN)
+
+    def sy(y: float) -> float:
+        return height - SVG_MARGIN - (y - y_min) / y_span * (height - 2 * SVG_MARGIN)
+
+    frontier = sorted((x, y) for x, y, p in zip(xs, ys, points) if p["frontier"])
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">',
+             f'<text x="{width / 2}" y="24" text-anchor="middle">{title}: predicted frontier'
+             f'</text>',
+             f'<text x="{width / 2}" y="{height - 16}" text-anchor="middle">activation memory '
+             f'(GiB, 0 to {x_max:.2f})</text>',
+             f'<text x="16" y="{height / 2}" transform="rotate(-90 16 {height / 2})" '
+             f'text-anchor="middle">predicted step (ms, {y_min:.1f} to {y_max:.1f})</text>',
+             '<polyline fill="none" stroke="steelblue" points="'
+             + " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in frontier) + '"/>']
+    for x, y in zip(xs, ys):
+        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4" fill="steelblue">'
+                     f'<title>{x:.3f} GiB, {y:.2f} ms</title></circle>')
+    parts.append("</svg>")
+    return "\n".join(parts)

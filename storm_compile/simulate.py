@@ -6,9 +6,8 @@ stream), copies on a lane run one after another, and a ``wait_event`` holds the 
 until its copy is done. When copies run in both directions at once they share the link's duplex
 bandwidth. Device memory: a tensor's storage is allocated when its owner runs (unless a fused
 chain keeps it in registers) and released after the last use of the storage; forward inputs
-(weights, inputs) are the baseline every figure is taken above. With ``ignore_transfers`` the
-storm nodes cost nothing and every transferred tensor counts as staying on the device, which
-predicts the graphs without storm.
+(weights, inputs) are the baseline every figure is taken above. The same replay of the graphs
+before storm rewrites them predicts the step without storm.
 """
 
 from __future__ import annotations
@@ -119,8 +118,7 @@ def _storage_bytes(node: fx.Node) -> int:
 class _Memory:
     """Live device bytes, by storage owner, over one graph walk."""
 
-    def __init__(self, graph: fx.Graph, ignore_transfers: bool, host_inputs: set[fx.Node]):
-        self.ignore_transfers = ignore_transfers
+    def __init__(self, graph: fx.Graph, host_inputs: set[fx.Node]):
         self.host_inputs = host_inputs
         order = {n: i for i, n in enumerate(graph.nodes)}
         self.last_use: dict[fx.Node, int] = {}
@@ -143,14 +141,10 @@ class _Memory:
         """The node whose allocation ``node``'s value lives in; None for host memory."""
         while True:
             if node.target is ops.offload:
-                if not self.ignore_transfers:
-                    return None
-                node = node.args[0]
-            elif node.target is ops.prefetch and self.ignore_transfers:
-                node = node.args[0]
+                return None
             elif is_view(node) and isinstance(node.args[0], fx.Node):
                 node = node.args[0]
-            elif node in self.host_inputs and not self.ignore_transfers:
+            elif node in self.host_inputs:
                 return None
             else:
                 return node
@@ -158,17 +152,15 @@ class _Memory:
 
 def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: float,
           live: int, held: list[fx.Node], host_inputs: set[fx.Node], baseline: int,
-          ignore_transfers: bool, timings: list[NodeTiming]) -> tuple[float, int, int, float]:
+          timings: list[NodeTiming]) -> tuple[float, int, int, float]:
     """Run one graph from ``live`` bytes, of which ``held`` are inputs it may release; returns
     (end time, live bytes at the end, peak live bytes, stall time)."""
-    memory = _Memory(gm.graph, ignore_transfers, host_inputs)
+    memory = _Memory(gm.graph, host_inputs)
     allocated = {node: _storage_bytes(node) for node in held}
     t, peak, stall = start, live, 0.0
     for index, node in enumerate(gm.graph.nodes):
         lane, begin = COMPUTE, t
-        if node.target in ops.TRANSFER_OPS and ignore_transfers:
-            lane = "-"
-        elif node.target in (ops.offload, ops.prefetch):
+        if node.target in (ops.offload, ops.prefetch):
             lane = D2H if node.target is ops.offload else H2D
             link.enqueue(node, lane, _storage_bytes(node), t)
         elif node.target is ops.wait_event:
@@ -191,7 +183,7 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
     return t, live, peak, stall
 
 
-def simulate(graphs: StormGraphs, cost: CostModel, ignore_transfers: bool = False) -> Prediction:
+def simulate(graphs: StormGraphs, cost: CostModel) -> Prediction:
     """Predict step time, exposed transfer time, activation memory and peak of the pair."""
     fw, bw = graphs.forward, graphs.backward
     link = _Link(cost)
@@ -199,20 +191,19 @@ def simulate(graphs: StormGraphs, cost: CostModel, ignore_transfers: bool = Fals
     inputs = set(fw.graph.find_nodes(op="placeholder"))
     baseline = sum(_storage_bytes(n) for n in inputs)
     fw_end, fw_live, fw_peak, fw_stall = _walk(fw, "fw", cost, link, 0.0, baseline, [],
-                                               set(), baseline, ignore_transfers, timings)
+                                               set(), baseline, timings)
 
     input_views = {n.name for n in saved_values(graphs) if alias_root(n).op == "placeholder"}
     bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
     host_inputs = {n for n in bw_inputs if any(u.target is ops.prefetch for u in n.users)}
     persistent = {n for n in bw_inputs if n.name in input_views}
-    on_device = [n for n in bw_inputs if n not in persistent
-                 and (ignore_transfers or n not in host_inputs)]
+    on_device = [n for n in bw_inputs if n not in persistent and n not in host_inputs]
     visible = [n for n in output_node(fw).args[0][:graphs.num_fwd_outputs]
                if isinstance(n, fx.Node)]
     bw_live = baseline + sum(_storage_bytes(n) for n in visible) + sum(
         _storage_bytes(n) for n in on_device)
     bw_end, _, bw_peak, bw_stall = _walk(bw, "bw", cost, link, fw_end, bw_live, on_device,
-                                         host_inputs, baseline, ignore_transfers, timings)
+                                         host_inputs, baseline, timings)
     copies = []
     for name, gm in (("fw", fw), ("bw", bw)):
         for target, lane in ((ops.offload, D2H), (ops.prefetch, H2D)):

@@ -13,7 +13,7 @@ from storm_compile.graphs import COST_KEY, StormGraphs
 from zoo import ZOO
 
 CPU_TEST_OPTIONS = {"inner": "eager", "transfer_cpu_tensors": True, "min_offload_bytes": 0,
-                    "profile": "cpu-test", "offload": "all"}
+                    "profile": "cpu-test", "offload": "all", "recompute": False}
 """Offload every eligible activation of the tiny CPU models, running the graphs directly."""
 
 SEED = 0

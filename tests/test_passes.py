@@ -92,8 +92,7 @@ def test_no_copy_starts_before_its_producer(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_simulated_memory_is_bounded_by_live_tensors(name):
     graphs = capture(name)
-    for ignore in (False, True):
-        prediction = simulate(graphs, cost_model(), ignore_transfers=ignore)
+    for prediction in (simulate(graphs, cost_model()), graphs.plan.baseline):
         everything = sum(n.meta[COST_KEY].output_bytes for gm in (graphs.forward, graphs.backward)
                          for n in gm.graph.nodes if COST_KEY in n.meta and n.op != "placeholder")
         assert 0 <= prediction.peak_bytes <= everything + sum(
@@ -106,7 +105,7 @@ def test_simulated_memory_is_bounded_by_live_tensors(name):
 def test_offloading_lowers_predicted_activation_memory(name):
     graphs = capture(name)
     cost = cost_model()
-    storm_run, baseline = simulate(graphs, cost), simulate(graphs, cost, ignore_transfers=True)
+    storm_run, baseline = simulate(graphs, cost), graphs.plan.baseline
     assert storm_run.activation_bytes == baseline.activation_bytes - storm_run.offloaded_bytes
     assert storm_run.peak_bytes <= baseline.peak_bytes
 
@@ -159,7 +158,7 @@ def test_hidden_mode_keeps_copies_that_would_not_hide():
 def test_hidden_mode_offloads_when_compute_covers_the_copies():
     graphs = capture("gpt", offload="hidden", cost_override=lambda node: SLOW_COMPUTE_S)
     assert nodes(graphs.forward, ops.offload)
-    prediction = simulate(graphs, cost_model(), ignore_transfers=False)
+    prediction = simulate(graphs, cost_model())
     assert prediction.copies
 
 

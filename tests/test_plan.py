@@ -1,0 +1,134 @@
+"""The memory planner: budgets met, numerics kept, recomputation driven through the partitioner."""
+
+import pytest
+import torch
+from torch import fx
+
+from helpers import CPU_TEST_OPTIONS, capture, cost_model, nodes, step
+from storm_compile import ops, storm
+from storm_compile.config import StormConfig
+from storm_compile.graphs import DECISION_KEY, PassContext, saved_values
+from storm_compile.passes import StormBudgetError
+from storm_compile.pipeline import run_passes
+from storm_compile.simulate import simulate
+from zoo import ZOO
+
+MODELS = sorted(ZOO)
+PLAN_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "recompute": True}
+"""Every activation of the tiny CPU models may move; the planner may recompute."""
+
+FRACTIONS = (0.75, 0.5, 0.25)
+
+
+def _budget_options(budget) -> dict:
+    return {**PLAN_OPTIONS, "memory_budget": budget}
+
+
+def _recomputed(graphs) -> list[str]:
+    return [n.name for n in graphs.forward.graph.nodes
+            if DECISION_KEY in n.meta and n.meta[DECISION_KEY].action == "recompute"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_predicted_activation_memory_meets_the_budget(name, fraction):
+    unplanned = capture(name, **_budget_options(1.0)).plan
+    target = int(fraction * unplanned.baseline.activation_bytes)
+    if target < unplanned.minimum_bytes:
+        with pytest.raises(Exception, match="below the minimum feasible"):
+            capture(name, **_budget_options(fraction))
+        return
+    graphs = capture(name, **_budget_options(fraction))
+    assert graphs.plan.target_bytes == target
+    assert simulate(graphs, cost_model()).activation_bytes <= target
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("budget", [0.5, "auto"])
+def test_budget_keeps_every_gradient(name, budget):
+    ref_loss, ref_grads, ref_buffers = step(name, "aot_eager")
+    loss, grads, buffers = step(name, storm(**_budget_options(budget)))
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=key)
+    for key in ref_buffers:
+        torch.testing.assert_close(buffers[key], ref_buffers[key], msg=key)
+
+
+def test_gpt_budget_recomputes_through_the_partitioner():
+    graphs = capture("gpt", **_budget_options(0.25))
+    recomputed = _recomputed(graphs)
+    assert recomputed and graphs.plan.recompute_bytes > 0
+    saved = {n.name for n in saved_values(graphs)}
+    assert not saved & set(recomputed), "a storage planned for recompute is still saved"
+    backward_ops = {n.name for n in graphs.backward.graph.nodes}
+    assert set(recomputed) <= backward_ops, "the backward does not rebuild what was recomputed"
+
+
+def test_random_ops_are_never_recomputed():
+    graphs = capture("dropout", **_budget_options(0.1))
+    joint = {n.name: n for n in graphs.joint.module.graph.nodes}
+    for name in graphs.plan.recompute:
+        target = joint[name].target
+        assert not (isinstance(target, torch._ops.OpOverload)
+                    and torch.Tag.nondeterministic_seeded in target.tags), name
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_no_recompute_means_offloads_only(name):
+    graphs = capture(name, **{**PLAN_OPTIONS, "offload": "all", "recompute": False})
+    assert not graphs.plan.recompute and not _recomputed(graphs)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_full_budget_changes_nothing(name):
+    graphs = capture(name, **_budget_options(1.0))
+    assert not graphs.plan.recompute
+    for gm in (graphs.forward, graphs.backward):
+        assert not any(n.target in ops.TRANSFER_OPS for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_auto_stays_within_max_overhead(name):
+    graphs = capture(name, **_budget_options("auto"))
+    allowance = StormConfig().max_overhead * graphs.plan.baseline.step_s
+    assert graphs.plan.recompute_s <= allowance
+
+
+def test_offload_all_moves_everything_movable():
+    graphs = capture("gpt", **{**PLAN_OPTIONS, "offload": "all"})
+    prediction = simulate(graphs, cost_model())
+    assert prediction.activation_bytes == graphs.plan.minimum_bytes < \
+        graphs.plan.baseline.activation_bytes
+
+
+def test_budget_below_the_minimum_names_it():
+    with pytest.raises(Exception) as caught:
+        step("gpt", storm(**_budget_options(1)))
+    error = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(error, StormBudgetError) and isinstance(error, ValueError)
+    assert "below the minimum feasible for this graph" in str(error)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_budget_plan_is_idempotent(name):
+    graphs = capture(name, **_budget_options(0.5))
+    fw_code, bw_code = graphs.forward.code, graphs.backward.code
+    config = StormConfig.from_options(**{k: v for k, v in _budget_options(0.5).items()
+                                         if k != "inner"})
+    again = run_passes(graphs, PassContext(config, cost_model()))
+    assert again.forward.code == fw_code and again.backward.code == bw_code
+
+
+def test_no_prefetch_is_read_before_its_wait_under_a_budget():
+    graphs = capture("gpt", **_budget_options(0.25))
+    bw = graphs.backward
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    for prefetch in nodes(bw, ops.prefetch):
+        (record,) = prefetch.users
+        (wait,) = record.users
+        source = prefetch.args[0]
+        readers = [u for u in source.users if u not in (prefetch, wait)]
+        assert not readers
+        assert all(order[u] > order[wait] for u in wait.users if isinstance(u, fx.Node))

@@ -383,6 +383,8 @@ def markdown(results: dict) -> str:
                           f"{r['pred_peak_gib']:.3f} / {r['peak_gib'] or 0:.3f}",
                       "exposed ms (pred)": r["pred_exposed_ms"],
                       "offloaded GiB (pred)": r["pred_offloaded_gib"],
+                      "recomputed GiB (pred)": r["pred_recomputed_gib"],
+                      "budget GiB": r["budget_gib"],
                       "compile pred: step ms / act / peak GiB":
                           f"{r['pred_baseline_step_ms']:.1f} / "
                           f"{r['pred_baseline_activation_gib']:.3f} / "

@@ -8,6 +8,7 @@ them, in :func:`storm_partition`, which AOTAutograd calls with the joint graph.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from torch import fx
@@ -36,8 +37,11 @@ PLAN: tuple[Pass, ...] = (
 
 
 def _run(storm_pass: Pass, graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    """Run one pass and verify the graphs it leaves; a failure names the pass."""
+    """Run one pass and verify the graphs it leaves; a failure names the pass. Logs its time
+    at DEBUG level (``benchmarks/planning_time.py`` reads it)."""
+    start = time.perf_counter()
     graphs = storm_pass(graphs, ctx)
+    log.debug("storm: pass %s took %.3f s", storm_pass.__name__, time.perf_counter() - start)
     try:
         verify_graphs(graphs)
     except Exception as error:
@@ -72,7 +76,9 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
                     **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
     # 1. capture: AOTAutograd traced the joint graph; split it the way torch.compile does.
     joint_graph = JointGraph(joint, joint_inputs, partition_kwargs)
+    start = time.perf_counter()
     forward, backward = joint_graph.split()
+    log.debug("storm: pass split took %.3f s", time.perf_counter() - start)
     graphs = StormGraphs(forward, backward, partition_kwargs["num_fwd_outputs"], joint=joint_graph)
     # 2-5. annotate costs, plan, (re-split to recompute), schedule, insert transfers; verified.
     graphs = run_passes(graphs, ctx)

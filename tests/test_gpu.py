@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from storm_compile import storm
+from storm_compile import StormBackend, StormConfig, storm
 from storm_compile.models import GPTShape, build_gpt
 from storm_compile.runtime import get_runtime
 
@@ -45,18 +45,18 @@ def test_storm_frees_device_memory_and_matches_compile():
 def test_eager_inner_is_bitwise_aot_eager_on_cuda():
     _, ref_grads = _step("aot_eager")
     torch._dynamo.reset()
-    _, grads = _step(storm(inner="eager", min_offload_bytes=0, offload="all"))
+    _, grads = _step(storm(inner="eager", min_offload_bytes=0, offload="all", recompute=False))
     for name in ref_grads:
         assert torch.equal(grads[name], ref_grads[name]), name
 
 
 def test_pinned_pool_does_not_grow_after_first_step():
     get_runtime().pool.clear()
-    _step(storm(min_offload_bytes=0, offload="all"), steps=1)
+    _step(storm(min_offload_bytes=0, offload="all", recompute=False), steps=1)
     reserved = get_runtime().pool.reserved_bytes
     assert reserved > 0
     torch._dynamo.reset()
-    _step(storm(min_offload_bytes=0, offload="all"), steps=3)
+    _step(storm(min_offload_bytes=0, offload="all", recompute=False), steps=3)
     assert get_runtime().pool.reserved_bytes == reserved
 
 
@@ -65,6 +65,18 @@ def test_pinning_limit_keeps_tensors_on_device_with_one_warning():
     torch._dynamo.reset()
     get_runtime().pool.clear()
     with pytest.warns(RuntimeWarning, match="could not pin") as caught:
-        _, grads = _step(storm(min_offload_bytes=0, offload="all", host_memory_limit=1), steps=2)
+        _, grads = _step(storm(min_offload_bytes=0, offload="all", recompute=False,
+                               host_memory_limit=1), steps=2)
     assert len([w for w in caught if "could not pin" in str(w.message)]) == 1
+    assert _rel_error(grads, ref_grads) < BF16_RTOL
+
+
+@pytest.mark.parametrize("budget", [0.75, 0.5, 0.1])
+def test_memory_budget_is_met_on_device(budget):
+    _, ref_grads = _step("inductor")
+    torch._dynamo.reset()
+    captured = []
+    config = StormConfig.from_options(memory_budget=budget, min_offload_bytes=0)
+    held, grads = _step(StormBackend(config, observer=captured.append))
+    assert held <= captured[0].plan.target_bytes, (held, captured[0].plan)
     assert _rel_error(grads, ref_grads) < BF16_RTOL

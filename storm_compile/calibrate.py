@@ -6,14 +6,17 @@ calibration of the present GPU, measuring it on first use.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from storm_compile import ops
 from storm_compile.cost_model import PROFILES, DeviceProfile, resolve_profile
 
 COPY_BYTES = 256 << 20
@@ -24,7 +27,12 @@ MATMUL_SIZE = 8192
 FP32_MATMUL_SIZE = 4096
 DEVICE_COPY_BYTES = 1 << 30
 LAUNCH_PROBES = 200
+TRANSFER_PROBES = 50
+TRANSFER_PROBE_BYTES = 4 << 20
+"""A typical small activation; the host time of the transfer ops does not depend on size."""
 REPEATS = 10
+log = logging.getLogger("storm_compile")
+
 FALLBACK_PROFILE = "cpu-test"
 """Profile of ``"auto"`` without CUDA: only CPU graphs (``transfer_cpu_tensors``) are planned."""
 
@@ -89,7 +97,29 @@ def calibrate(name: str | None = None) -> DeviceProfile:
     return DeviceProfile(
         name=name or torch.cuda.get_device_name(), matmul_flops=matmul, fp32_flops=fp32,
         memory_bandwidth=memory, launch_s=launch, h2d_bandwidth=h2d, d2h_bandwidth=d2h,
-        duplex_bandwidth=duplex, copy_latency_s=latency)
+        duplex_bandwidth=duplex, copy_latency_s=latency, transfer_host_s=_transfer_host_seconds())
+
+
+def _transfer_host_seconds() -> float:
+    """Host wall time of storm's six ops moving one storage out and back, from Python, as the
+    compiled graphs call them; the GPU work they queue is not waited for until the end."""
+    x = torch.empty(TRANSFER_PROBE_BYTES, dtype=torch.uint8, device="cuda")
+    limit = 4 * TRANSFER_PROBE_BYTES
+
+    def move() -> None:
+        host = ops.wait_event(ops.record_event(ops.offload(x, limit)), x)
+        ops.wait_event(ops.record_event(ops.prefetch(host, x.device)), host)
+
+    move()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(TRANSFER_PROBES):
+            move()
+        times.append((time.perf_counter() - start) / TRANSFER_PROBES)
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def cache_path(cache_dir: Path | None = None) -> Path:
@@ -105,7 +135,10 @@ def auto_profile() -> DeviceProfile:
         return PROFILES[FALLBACK_PROFILE]
     path = cache_path()
     if path.is_file():
-        return DeviceProfile.from_json(path)
+        try:
+            return DeviceProfile.from_json(path)
+        except ValueError as error:
+            log.warning("storm: re-measuring the GPU: cached calibration unusable (%s)", error)
     profile = calibrate()
     path.parent.mkdir(parents=True, exist_ok=True)
     profile.to_json(path)

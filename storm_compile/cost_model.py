@@ -102,6 +102,9 @@ class DeviceProfile:
     """Total bytes/s over both directions when copies run both ways at once."""
     copy_latency_s: float
     """Fixed cost of one copy, paid before its bytes move."""
+    transfer_host_s: float
+    """Host time of storm's six ops moving one storage out and back (offload, record, wait;
+    prefetch, record, wait): step time whenever the step is host-bound."""
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DeviceProfile":
@@ -133,32 +136,41 @@ class DeviceProfile:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
 
 
+TRANSFER_HOST_S = 100e-6
+"""Host time per storage moved, as ``storm calibrate`` measured it on the H100 machine; the
+other built-in profiles reuse it (it is the host CPU's figure, not the GPU's): calibrate yours."""
+
 PROFILES: dict[str, DeviceProfile] = {
     # Measured on our H100 80GB HBM3 (torch 2.11, cu130): pinned copies 55.2 GB/s each way,
     # 89 GB/s both ways at once, bf16 matmul 767 TFLOP/s; `storm calibrate` there gave fp32
-    # 51 TFLOP/s, 2.97 TB/s device copies (read+write), 7.6 µs per small kernel and 15.8 µs
-    # of fixed latency per host copy.
+    # 51 TFLOP/s, 2.97 TB/s device copies (read+write), 7.6 µs per small kernel, 15.8 µs
+    # of fixed latency per host copy and TRANSFER_HOST_S of host time per storage moved.
     "h100": DeviceProfile("h100", matmul_flops=767e12, fp32_flops=51e12,
                           memory_bandwidth=2.97e12, launch_s=7.6e-6, h2d_bandwidth=55.2e9,
-                          d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=15.8e-6),
+                          d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=15.8e-6,
+                          transfer_host_s=TRANSFER_HOST_S),
     # H200: bf16 and memory rates as seen on this workplace's H200 (790 TFLOP/s, 4.3 TB/s
     # read+write); the host link is the same PCIe Gen5 as the H100's.
     "h200": DeviceProfile("h200", matmul_flops=790e12, fp32_flops=55e12,
                           memory_bandwidth=4.3e12, launch_s=4e-6, h2d_bandwidth=55.2e9,
-                          d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=20e-6),
+                          d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=20e-6,
+                          transfer_host_s=TRANSFER_HOST_S),
     # Datasheet-derived, at about 80 % of peak: A100 PCIe 312 TFLOP/s bf16, 1.9 TB/s, Gen4 x16.
     "a100-pcie": DeviceProfile("a100-pcie", matmul_flops=250e12, fp32_flops=19.5e12,
                                memory_bandwidth=1.5e12, launch_s=5e-6, h2d_bandwidth=25e9,
-                               d2h_bandwidth=25e9, duplex_bandwidth=40e9, copy_latency_s=10e-6),
+                               d2h_bandwidth=25e9, duplex_bandwidth=40e9, copy_latency_s=10e-6,
+                               transfer_host_s=TRANSFER_HOST_S),
     # Datasheet-derived, at about 80 % of peak: RTX 4090 165 TFLOP/s bf16 (fp32 accumulate),
     # 1.0 TB/s, Gen4 x16.
     "rtx4090": DeviceProfile("rtx4090", matmul_flops=130e12, fp32_flops=66e12,
                              memory_bandwidth=0.8e12, launch_s=5e-6, h2d_bandwidth=25e9,
-                             d2h_bandwidth=25e9, duplex_bandwidth=40e9, copy_latency_s=10e-6),
+                             d2h_bandwidth=25e9, duplex_bandwidth=40e9, copy_latency_s=10e-6,
+                             transfer_host_s=TRANSFER_HOST_S),
     # Round numbers for tests: schedules printed with it are exact and never change.
     "cpu-test": DeviceProfile("cpu-test", matmul_flops=1e12, fp32_flops=1e12,
                               memory_bandwidth=1e11, launch_s=1e-6, h2d_bandwidth=1e10,
-                              d2h_bandwidth=1e10, duplex_bandwidth=1.5e10, copy_latency_s=1e-5),
+                              d2h_bandwidth=1e10, duplex_bandwidth=1.5e10, copy_latency_s=1e-5,
+                              transfer_host_s=0.0),
 }
 
 

@@ -3,7 +3,8 @@
 The compute lane runs nodes in graph order; an ``offload``/``prefetch`` queues its copy on its
 lane at the moment the compute lane reaches it (the copy stream first waits on the compute
 stream), copies on a lane run one after another, and a ``wait_event`` holds the compute lane
-until its copy is done. When copies run in both directions at once they share the link's duplex
+until its copy is done; issuing a copy holds the compute lane for half the profile's
+``transfer_host_s``. When copies run in both directions at once they share the link's duplex
 bandwidth. Device memory: a tensor's storage is allocated when its owner runs (unless a fused
 chain keeps it in registers) and released after the last use of the storage; forward inputs
 (weights, inputs) are the baseline every figure is taken above. The same replay of the graphs
@@ -25,6 +26,10 @@ from storm_compile.cost_model import CostModel, materialized
 from storm_compile.graphs import StormGraphs, alias_root, is_view, output_node, saved_values
 
 COMPUTE, D2H, H2D = "compute", "d2h", "h2d"
+
+TRANSFER_DIRECTIONS = 2
+"""A profile's ``transfer_host_s`` covers both directions; each half delays the compute lane
+when its copy is issued (the host is busy with the ops instead of launching kernels)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +168,7 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
         if node.target in (ops.offload, ops.prefetch):
             lane = D2H if node.target is ops.offload else H2D
             link.enqueue(node, lane, _storage_bytes(node), t)
+            t += cost.profile.transfer_host_s / TRANSFER_DIRECTIONS
         elif node.target is ops.wait_event:
             copy = node.args[0].args[0]
             t = max(t, link.finish_time(copy))

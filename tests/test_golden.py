@@ -64,12 +64,12 @@ def forward(self, relu, detach_2, t_1, t_2, tangents_1):
 
 SCHEDULE = """
 graph    node                  op                          stream      compute_us    transfer_bytes    transfer_us  event         memory_after  decision
--------  --------------------  --------------------------  --------  ------------  ----------------  -------------  ----------  --------------  ----------------------------------------------------------------------------------------------------
+-------  --------------------  --------------------------  --------  ------------  ----------------  -------------  ----------  --------------  --------------------------------------------------------------------------------------------------------
 fw       primals_1             placeholder                 -                  0.0                 0            0.0                           0  keep: storage of a graph input (parameter, buffer or user input)
 fw       primals_2             placeholder                 -                  0.0                 0            0.0                           0
 fw       primals_3             placeholder                 -                  0.0                 0            0.0                           0  keep: storage of a graph input (parameter, buffer or user input)
 fw       mm                    mm.default                  compute            1.0                 0            0.0                        2048
-fw       relu                  relu.default                compute            1.0                 0            0.0                        2048  offload: link-bound copy of 10 µs; not recomputed: recompute=False; D2H slack -7 µs, H2D slack -9 µs
+fw       relu                  relu.default                compute            1.0                 0            0.0                        2048  offload: link-bound copy, 10 µs added; not recomputed: recompute=False; D2H slack -7 µs, H2D slack -9 µs
 fw       offload_default       offload.default             d2h                0.0              2048           10.2                        2048
 fw       record_event_default  record_event.default        d2h                0.0                 0            0.0  record ev0            2048
 fw       mm_1                  mm.default                  compute            1.0                 0            0.0                        2304
@@ -166,7 +166,7 @@ fw       primals_1           placeholder                 -                  0.0 
 fw       primals_2           placeholder                 -                  0.0                 0            0.0                        0  keep: storage of a graph input (parameter, buffer or user input)
 fw       primals_3           placeholder                 -                  0.0                 0            0.0                        0  keep: storage of a graph input (parameter, buffer or user input)
 fw       mm                  mm.default                  compute            1.0                 0            0.0                     2048
-fw       relu                relu.default                compute            1.0                 0            0.0                     2048  recompute: rebuilt in 2 µs, below the copy's 10 µs
+fw       relu                relu.default                compute            1.0                 0            0.0                     2048  recompute: rebuilt in 2 µs, below an offload's 10 µs
 fw       mm_1                mm.default                  compute            1.0                 0            0.0                      256
 fw       tanh                tanh.default                compute            1.0                 0            0.0                      256  keep: smaller than min_offload_bytes (1024)
 fw       detach_1            detach.default              -                  0.0                 0            0.0                      256

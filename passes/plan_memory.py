@@ -166,40 +166,74 @@ def _covering(items: list[_Item], need: int) -> list[_Item]:
     return taken
 
 
+MAX_PLAN_ROUNDS = 4
+"""Rounds of ranking and choosing: storages chosen for recomputation leave the link, so more of
+the others may hide, which makes offloading them cheaper; the plan is chosen again with that
+until the set of hiding storages stops changing (two or three rounds on transformers)."""
+
+
+def _select(ranked: list[_Item], target: int | str | None, need: int,
+            allowance: float) -> list[_Item]:
+    if target is None:
+        hidden = sorted((i for i in ranked if i.hides), key=lambda i: -i.nbytes)
+        return _within([dataclasses.replace(i, recompute_s=None, no_recompute="no budget set")
+                        for i in hidden], NO_BUDGET_SHARE * allowance)
+    if target == "auto":
+        return _within(ranked, allowance)
+    return _covering(ranked, need)
+
+
+def _better(taken: list[_Item], best: list[_Item] | None, target: int | str | None) -> bool:
+    cost = sum(i.cost_s for i in taken)
+    if best is None:
+        return True
+    if target == "auto":
+        return sum(i.nbytes for i in taken) > sum(i.nbytes for i in best)
+    return cost < sum(i.cost_s for i in best)
+
+
 def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     first_split = graphs.plan is None
     now = simulate(graphs, ctx.cost)
     baseline = now if first_split else graphs.plan.baseline
     groups = storage_groups(graphs, "offload")
-    hiding = place(graphs, groups, set(), ctx)
     no_recompute = (None if first_split and ctx.config.recompute
                     else "recompute=False" if first_split
                     else "recomputation was planned on the first split")
-    ranked = _items(graphs, groups, hiding, ctx, no_recompute)
-    minimum = now.activation_bytes - sum(i.nbytes for i in ranked)
+    minimum = now.activation_bytes - sum(m[0].meta[DECISION_KEY].storage_bytes
+                                         for m in groups.values())
     target = _target(graphs, ctx, baseline.activation_bytes)
     allowance = ctx.config.max_overhead * baseline.step_s
+    if target == "all":
+        target = minimum
+    if isinstance(target, int) and target < minimum:
+        raise StormBudgetError(
+            f"memory_budget {target} bytes ({target / GIB:.3f} GiB) is below the minimum "
+            f"feasible for this graph, {minimum} bytes ({minimum / GIB:.3f} GiB): what must "
+            f"stay on the device at the end of the forward (outputs, views of inputs, "
+            f"tensors under min_offload_bytes or of dynamic shape)")
+    need = now.activation_bytes - target if isinstance(target, int) else 0
 
-    if target is None:
-        hidden = sorted((i for i in ranked if i.hides), key=lambda i: -i.nbytes)
-        taken = _within([dataclasses.replace(i, recompute_s=None, no_recompute="no budget set")
-                         for i in hidden], NO_BUDGET_SHARE * allowance)
-        unmet = "its host time would pass max_overhead"
-    elif target == "auto":
-        taken = _within(ranked, allowance)
+    hiding = place(graphs, groups, set(), ctx)
+    best = None
+    for _ in range(MAX_PLAN_ROUNDS):
+        ranked = _items(graphs, groups, hiding, ctx, no_recompute)
+        taken = _select(ranked, target, need, allowance)
+        if _better(taken, best and best[1], target):
+            best = (ranked, taken, hiding)
+        recomputed = {i.root for i in taken if i.action == "recompute"}
+        on_link = {r: m for r, m in groups.items() if r not in recomputed}
+        again = {**hiding, **place(graphs, on_link, set(), ctx)}
+        if {r for r, p in again.items() if isinstance(p, Placement)} == \
+                {r for r, p in hiding.items() if isinstance(p, Placement)}:
+            break
+        hiding = again
+    ranked, taken, hiding = best
+    unmet = {None: "its host time would pass max_overhead",
+             "auto": "its cost would pass max_overhead"}.get(target,
+                                                             "the budget is met without it")
+    if target == "auto":
         target = now.activation_bytes - sum(i.nbytes for i in taken)
-        unmet = "its cost would pass max_overhead"
-    else:
-        if target == "all":
-            target = minimum
-        if target < minimum:
-            raise StormBudgetError(
-                f"memory_budget {target} bytes ({target / GIB:.3f} GiB) is below the minimum "
-                f"feasible for this graph, {minimum} bytes ({minimum / GIB:.3f} GiB): what must "
-                f"stay on the device at the end of the forward (outputs, views of inputs, "
-                f"tensors under min_offload_bytes or of dynamic shape)")
-        taken = _covering(ranked, now.activation_bytes - target)
-        unmet = "the budget is met without it"
 
     chosen = {i.root: i for i in taken}
     recompute: list[str] = []

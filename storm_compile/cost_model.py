@@ -136,15 +136,16 @@ class DeviceProfile:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
 
 
-TRANSFER_HOST_S = 100e-6
-"""Host time per storage moved, as ``storm calibrate`` measured it on the H100 machine; the
-other built-in profiles reuse it (it is the host CPU's figure, not the GPU's): calibrate yours."""
+TRANSFER_HOST_S = 136e-6
+"""Host time per storage moved (six op calls from Python), as ``storm calibrate`` measured it on
+the lent H200 machine, whose host matches the H100's; every built-in profile uses it, since it
+is the host CPU's figure, not the GPU's: calibrate yours."""
 
 PROFILES: dict[str, DeviceProfile] = {
     # Measured on our H100 80GB HBM3 (torch 2.11, cu130): pinned copies 55.2 GB/s each way,
     # 89 GB/s both ways at once, bf16 matmul 767 TFLOP/s; `storm calibrate` there gave fp32
-    # 51 TFLOP/s, 2.97 TB/s device copies (read+write), 7.6 µs per small kernel, 15.8 µs
-    # of fixed latency per host copy and TRANSFER_HOST_S of host time per storage moved.
+    # 51 TFLOP/s, 2.97 TB/s device copies (read+write), 7.6 µs per small kernel and 15.8 µs
+    # of fixed latency per host copy.
     "h100": DeviceProfile("h100", matmul_flops=767e12, fp32_flops=51e12,
                           memory_bandwidth=2.97e12, launch_s=7.6e-6, h2d_bandwidth=55.2e9,
                           d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=15.8e-6,

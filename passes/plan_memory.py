@@ -10,7 +10,8 @@ The model. Removing storage ``i`` (``b_i`` bytes) from the device at the end of 
     it and the values that stay saved, or the graph inputs); impossible when the chain draws
     random numbers, with ``recompute=False``, or after the re-split.
 Each storage's cheap way is ``c_i = min(o_i, r_i)``, and storages are ranked by ``c_i / b_i``.
-With a byte target the planner takes the shortest prefix of the ranking whose bytes reach it;
+With a byte target the planner takes the shortest prefix of the ranking whose bytes reach it,
+then drops, dearest first, the storages it can do without (so memory lands near the target);
 with ``"auto"`` the longest prefix whose cost stays within ``max_overhead`` of the predicted
 step; with ``offload="all"`` every storage; with no budget, only offloads whose copies hide,
 largest first, while their host time stays within ``NO_BUDGET_SHARE`` of ``max_overhead``.
@@ -156,13 +157,18 @@ def _within(items: list[_Item], allowance: float) -> list[_Item]:
 
 
 def _covering(items: list[_Item], need: int) -> list[_Item]:
-    """The shortest prefix of ``items`` whose bytes reach ``need``."""
+    """The shortest prefix of ``items`` whose bytes reach ``need``, less the items, dearest per
+    byte first, that it still reaches ``need`` without (so memory lands close to the budget)."""
     taken, covered = [], 0
     for item in items:
         if covered >= need:
             break
         taken.append(item)
         covered += item.nbytes
+    for item in reversed(list(taken)):
+        if covered - item.nbytes >= need:
+            taken.remove(item)
+            covered -= item.nbytes
     return taken
 
 

@@ -136,10 +136,10 @@ class DeviceProfile:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
 
 
-TRANSFER_HOST_S = 136e-6
+TRANSFER_HOST_S = 178e-6
 """Host time per storage moved (six op calls from Python), as ``storm calibrate`` measured it on
-the lent H200 machine, whose host matches the H100's; every built-in profile uses it, since it
-is the host CPU's figure, not the GPU's: calibrate yours."""
+the H100 machine (136 µs on the lent H200's host); every built-in profile uses it, since it is
+the host CPU's figure, not the GPU's: calibrate yours."""
 
 PROFILES: dict[str, DeviceProfile] = {
     # Measured on our H100 80GB HBM3 (torch 2.11, cu130): pinned copies 55.2 GB/s each way,

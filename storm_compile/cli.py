@@ -84,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     schedule.add_argument("--offload", choices=("hidden", "all"), default=None,
                           help="storm option offload")
     schedule.add_argument("--memory-budget", default=None,
-                          help="storm option memory_budget: bytes (e.g. 12GiB), a fraction "
-                               "such as 0.5, or auto")
+                          help="storm option memory_budget: a size with its unit (e.g. 12GiB), "
+                               "a fraction such as 0.5 (a bare number is a fraction), or auto")
     schedule.add_argument("--max-overhead", type=float, default=None,
                           help="storm option max_overhead (for --memory-budget auto)")
     schedule.add_argument("--trace", type=Path, default=None,
@@ -147,7 +147,8 @@ def _trace(args: argparse.Namespace, ctx: PassContext) -> StormGraphs:
 
 
 def _budget(text: str) -> float | str:
-    """A budget as typed on the command line: fractions stay floats, anything else a string."""
+    """A budget as typed on the command line: a bare number is a fraction, anything else (a size
+    with its unit, ``auto``) goes to the option parser as typed."""
     try:
         return float(text)
     except ValueError:

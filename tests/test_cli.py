@@ -130,3 +130,42 @@ def test_console_script_exit_code_and_no_traceback():
                              "nowhere.py:f"], capture_output=True, text=True)
     assert result.returncode == EXIT_USAGE
     assert "Traceback" not in result.stderr
+
+
+TINY_SHAPE = [a for a in TINY_GPT if a not in ("--offload", "all")]
+
+
+def test_schedule_memory_budget_shows_each_decision(capsys):
+    assert main(["schedule", "gpt", *TINY_SHAPE, "--memory-budget", "0.3",
+                 "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    summary = doc["summary"]
+    assert summary["activation_bytes"] <= summary["budget_bytes"]
+    assert summary["budget_bytes"] == int(0.3 * summary["baseline_activation_bytes"])
+    assert summary["recomputed_bytes"] > 0 and summary["recomputed_storages"] > 0
+    decisions = {row["decision"].split(":")[0] for row in doc["nodes"] if row["decision"]}
+    assert "recompute" in decisions
+
+
+def test_pareto_table_json_and_plot(capsys, tmp_path):
+    plot = tmp_path / "frontier.svg"
+    assert main(["pareto", "gpt", *TINY_SHAPE, "--budgets", "1.0,0.5", "--plot", str(plot),
+                 "--format", "json"]) == 0
+    points = json.loads(capsys.readouterr().out)
+    assert [p["step_ratio"] for p in points][0] == 1.0
+    assert points[1]["activation_bytes"] <= points[1]["budget_bytes"] < points[0]["budget_bytes"]
+    assert all(p["frontier"] for p in points)
+    assert plot.read_text().startswith("<svg") and plot.read_text().count("<circle") == 2
+    assert main(["pareto", "gpt", *TINY_SHAPE, "--budgets", "0.5"]) == 0
+    assert "recomputed_bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget, message", [
+    ("12parsecs", "accepted forms: an int of bytes"),
+    ("1KiB", "below the minimum feasible for this graph"),
+])
+def test_bad_budget_is_one_line_exit_2(budget, message, capsys):
+    assert main(["schedule", "gpt", *TINY_SHAPE, "--memory-budget", budget]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("storm: error:")
+    assert message in err

@@ -27,6 +27,13 @@ def test_defaults_resolve_host_limit():
     ({"transfer_cpu_tensors": "yes"}, "storm option 'transfer_cpu_tensors': expected a bool"),
     ({"host_memory_limit": "12 parsecs"}, "storm option 'host_memory_limit': cannot read"),
     ({"host_memory_limit": 2.5}, "storm option 'host_memory_limit': expected bytes"),
+    ({"memory_budget": "12 parsecs"}, "storm option 'memory_budget': cannot read '12 parsecs'; "
+                                      "accepted forms: an int of bytes; a size string"),
+    ({"memory_budget": 1.5}, "storm option 'memory_budget': a fraction must be in (0, 1]"),
+    ({"memory_budget": True}, "storm option 'memory_budget': got bool True; accepted forms"),
+    ({"memory_budget": 0.5, "offload": "all"}, "'memory_budget' and offload='all' conflict"),
+    ({"max_overhead": -0.1}, "storm option 'max_overhead': expected a fraction >= 0"),
+    ({"recompute": "no"}, "storm option 'recompute': expected a bool"),
 ])
 def test_bad_options_raise_value_error_naming_the_option(options, message):
     with pytest.raises(ValueError) as error:
@@ -62,3 +69,11 @@ def test_config_is_frozen():
 def test_backend_is_registered_by_entry_point():
     (entry,) = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "storm"]
     assert callable(entry.load())
+
+
+@pytest.mark.parametrize("budget, resolved", [
+    ("12GiB", 12 * GIB), (1 << 20, 1 << 20), (0.5, 0.5), (1.0, 1.0), ("auto", "auto"),
+    (None, None),
+])
+def test_memory_budget_forms(budget, resolved):
+    assert StormConfig.from_options(memory_budget=budget).memory_budget == resolved

@@ -161,9 +161,8 @@ def pareto_points(summaries: list[dict[str, object]]) -> list[dict[str, object]]
 
 
 def format_pareto(points: list[dict[str, object]]) -> str:
-    rows = [[_readable(k, p[k]) if k.endswith("_bytes") else p[k] for k in PARETO_COLUMNS]
-            for p in points]
-    return tabulate(rows, headers=PARETO_COLUMNS, floatfmt=".3f", disable_numparse=True)
+    rows = [[_readable(k, p[k]) for k in PARETO_COLUMNS] for p in points]
+    return tabulate(rows, headers=PARETO_COLUMNS, disable_numparse=True)
 
 
 SVG_SIZE = (640, 420)

@@ -53,6 +53,7 @@ from storm_compile.graphs import (
     StormGraphs,
     alias_root,
     backward_placeholder,
+    first_backward_read,
     output_node,
     saved_values,
     view_chain,
@@ -121,10 +122,6 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
         first_use.prepend(view)
 
 
-def _first_read(graphs: StormGraphs, saved: list[fx.Node], order: dict[fx.Node, int]) -> int:
-    return min(order[r] for m in saved for r in view_closure(backward_placeholder(graphs, m), order)[1])
-
-
 def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     """Copies that share an anchor node are inserted last-first, so that each lane's queue (graph
     order) is the scheduler's: D2H by production, H2D by first read."""
@@ -136,8 +133,8 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     out = output_node(graphs.forward)
     forward_order = {n: i for i, n in enumerate(graphs.forward.graph.nodes)}
     backward_order = {n: i for i, n in enumerate(graphs.backward.graph.nodes)}
-    by_read = sorted(groups, key=lambda r: _first_read(graphs, groups[r], backward_order),
-                     reverse=True)
+    by_read = sorted(groups, key=lambda r: backward_order[
+        first_backward_read(graphs, groups[r], backward_order)], reverse=True)
     for root in sorted(groups, key=forward_order.__getitem__, reverse=True):
         saved = groups[root]
         decision = saved[0].meta[DECISION_KEY]

@@ -190,12 +190,12 @@ def _select(ranked: list[_Item], target: int | str | None, need: int,
 
 
 def _better(taken: list[_Item], best: list[_Item] | None, target: int | str | None) -> bool:
-    cost = sum(i.cost_s for i in taken)
+    """``"auto"`` maximises bytes within its allowance; every other target minimises cost."""
     if best is None:
         return True
     if target == "auto":
         return sum(i.nbytes for i in taken) > sum(i.nbytes for i in best)
-    return cost < sum(i.cost_s for i in best)
+    return sum(i.cost_s for i in taken) < sum(i.cost_s for i in best)
 
 
 def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
@@ -228,6 +228,8 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         if _better(taken, best and best[1], target):
             best = (ranked, taken, hiding)
         recomputed = {i.root for i in taken if i.action == "recompute"}
+        if not recomputed:
+            break
         on_link = {r: m for r, m in groups.items() if r not in recomputed}
         again = {**hiding, **place(graphs, on_link, set(), ctx)}
         if {r for r, p in again.items() if isinstance(p, Placement)} == \

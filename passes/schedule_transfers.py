@@ -33,7 +33,7 @@ from storm_compile.graphs import (
     PassContext,
     StormGraphs,
     alias_root,
-    backward_placeholder,
+    first_backward_read,
     saved_values,
     view_closure,
 )
@@ -148,9 +148,8 @@ def _backward(graphs: StormGraphs, line: _Timeline, groups: dict[fx.Node, list[f
     its first read, or before the next copy on the lane starts, whichever is earlier; it is
     issued after the last compute node that ends before that start."""
     inputs_end = max(line.order[n] for n in graphs.backward.graph.find_nodes(op="placeholder"))
-    first_read = {root: min((r for m in members
-                             for r in view_closure(backward_placeholder(graphs, m), line.order)[1]),
-                            key=line.order.__getitem__) for root, members in groups.items()}
+    first_read = {root: first_backward_read(graphs, members, line.order)
+                  for root, members in groups.items()}
     placed: dict[fx.Node, tuple | str] = {}
     lane_start, intervals = float("inf"), []
     window = ctx.config.prefetch_window_bytes

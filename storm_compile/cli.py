@@ -168,6 +168,10 @@ def _context(args: argparse.Namespace, **options) -> PassContext:
     return PassContext(config, cost)
 
 
+def _print(args: argparse.Namespace, document, as_table) -> None:
+    print(json.dumps(document, indent=1) if args.format == "json" else as_table(document))
+
+
 def _schedule(args: argparse.Namespace) -> int:
     budget = {} if args.memory_budget is None else {"memory_budget": _budget(args.memory_budget)}
     ctx = _context(args, **budget)
@@ -176,10 +180,7 @@ def _schedule(args: argparse.Namespace) -> int:
     prediction = annotated.pop("prediction")
     if args.trace is not None:
         args.trace.write_text(json.dumps(chrome_trace(prediction)))
-    if args.format == "json":
-        print(json.dumps(annotated, indent=1))
-    else:
-        print(format_table(annotated))
+    _print(args, annotated, format_table)
     return 0
 
 
@@ -196,10 +197,7 @@ def _pareto(args: argparse.Namespace) -> int:
     points = pareto_points(rows)
     if args.plot is not None:
         args.plot.write_text(pareto_svg(points, title=args.model))
-    if args.format == "json":
-        print(json.dumps(points, indent=1))
-    else:
-        print(format_pareto(points))
+    _print(args, points, format_pareto)
     return 0
 
 

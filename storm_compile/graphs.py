@@ -182,6 +182,14 @@ def view_closure(node: fx.Node, order: dict[fx.Node, int]) -> tuple[list[fx.Node
     return sorted(views, key=order.__getitem__), sorted(readers, key=order.__getitem__)
 
 
+def first_backward_read(graphs: StormGraphs, saved: list[fx.Node],
+                        order: dict[fx.Node, int]) -> fx.Node:
+    """The first backward node (by ``order``) that reads the data of any forward value in
+    ``saved``: views of the backward inputs do not count, the nodes reading through them do."""
+    return min((r for m in saved for r in view_closure(backward_placeholder(graphs, m), order)[1]),
+               key=order.__getitem__)
+
+
 def alias_root(node: fx.Node) -> fx.Node:
     """The node that owns the storage ``node`` reads (``node`` itself unless it is a view)."""
     chain = view_chain(node)

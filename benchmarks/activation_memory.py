@@ -36,13 +36,15 @@ from tabulate import tabulate
 
 from benchmarks.trace_analysis import analyse
 from storm_compile.backend import StormBackend
-from storm_compile.config import PRESETS, StormConfig
+from storm_compile.config import CPU_PLANNING, PRESETS, StormConfig
 from storm_compile.graphs import StormGraphs
 from storm_compile.models import GPT, GPTShape, build_gpt
+from storm_compile.plan import MemoryPlan
+from storm_compile.prediction import Prediction
 from storm_compile.runtime import get_runtime
 from storm_compile.simulate import simulate
+from storm_compile.vocabulary import GIB, MS
 
-GIB = float(1 << 30)
 EXIT_NO_CUDA = 2
 LINK_PROBE_BYTES = 256 << 20
 """Size of the copies that measure the link at start: large enough to be bandwidth-bound
@@ -115,29 +117,32 @@ def _storm_pool_bytes() -> int:
 
 
 class _StormRun:
-    """Compiles with a storm backend and keeps its graphs, to set predictions beside figures."""
+    """Compiles with a storm backend and simulates each plan as it is made, to set predictions
+    beside figures (Inductor rewrites the graphs in place once they are compiled)."""
 
     def __init__(self, options: dict) -> None:
         self.options = options
-        self.graphs: list[StormGraphs] = []
+        self.simulated: list[tuple[Prediction, MemoryPlan]] = []
         self.backend: StormBackend | None = None
 
     def wrap(self, model: GPT) -> Callable[[torch.Tensor], torch.Tensor]:
-        self.graphs.clear()
+        self.simulated.clear()
         self.backend = StormBackend(StormConfig.from_options(**self.options),
-                                    observer=self.graphs.append)
+                                    observer=self._observe)
         return torch.compile(model, backend=self.backend)
+
+    def _observe(self, graphs: StormGraphs) -> None:
+        self.simulated.append((simulate(graphs, self.backend.ctx.cost), graphs.plan))
 
     def predict(self) -> dict:
         cost = self.backend.ctx.cost
-        graphs = self.graphs[0]
-        ours, plan = simulate(graphs, cost), graphs.plan
+        ours, plan = self.simulated[0]
         baseline = plan.baseline
-        return {"profile": cost.profile.name, "pred_step_ms": ours.step_s * 1e3,
-                "pred_exposed_ms": ours.exposed_transfer_s * 1e3,
+        return {"profile": cost.profile.name, "pred_step_ms": ours.step_s * MS,
+                "pred_exposed_ms": ours.exposed_transfer_s * MS,
                 "pred_activation_gib": ours.activation_bytes / GIB,
                 "pred_peak_gib": ours.peak_bytes / GIB,
-                "pred_baseline_step_ms": baseline.step_s * 1e3,
+                "pred_baseline_step_ms": baseline.step_s * MS,
                 "pred_baseline_activation_gib": baseline.activation_bytes / GIB,
                 "pred_baseline_peak_gib": baseline.peak_bytes / GIB,
                 "pred_offloaded_gib": ours.offloaded_bytes / GIB,
@@ -145,9 +150,10 @@ class _StormRun:
                 "budget_gib": None if plan.target_bytes is None else plan.target_bytes / GIB}
 
 
-CPU_STORM_OPTIONS = {"transfer_cpu_tensors": True, "min_offload_bytes": 0}
-"""On the CPU (smoke runs) the tiny model's activations are all below the default
-``min_offload_bytes``; planning every one of them keeps the budget presets feasible."""
+CPU_STORM_OPTIONS = {**CPU_PLANNING, "min_offload_bytes": 0}
+"""The benchmarks' storm options on the CPU (smoke runs): the tiny model's activations are all
+below the default ``min_offload_bytes``; planning every one of them keeps the budget presets
+feasible."""
 
 
 def _storm_method(name: str, options: dict, cpu: bool) -> Method:
@@ -220,7 +226,7 @@ class _Device:
         else:
             begin = time.perf_counter()
             yield
-            out.append((time.perf_counter() - begin) * 1e3)
+            out.append((time.perf_counter() - begin) * MS)
 
 
 def _minus(value: int | None, base: int | None) -> int | None:
@@ -300,7 +306,7 @@ def _profile(step: Callable[[], object], dev: _Device, trace: Path) -> dict:
     if dev.cuda:
         overlap = analyse(trace)
         figures.update(compute_busy_fraction=overlap.compute_busy_fraction,
-                       d2h_ms=overlap.d2h_us / 1e3, h2d_ms=overlap.h2d_us / 1e3,
+                       d2h_ms=overlap.d2h_us / MS, h2d_ms=overlap.h2d_us / MS,
                        copy_overlap_fraction=overlap.copy_overlap_fraction)
     return figures
 
@@ -321,7 +327,7 @@ def _link_bandwidth() -> dict:
         for _ in range(5):
             with _Device("cuda").timer(times):
                 dst.copy_(src, non_blocking=True)
-        figures[name] = LINK_PROBE_BYTES / (statistics.median(times) / 1e3) / 1e9
+        figures[name] = LINK_PROBE_BYTES / (statistics.median(times) / MS) / 1e9
     return figures
 
 

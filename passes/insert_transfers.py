@@ -1,8 +1,9 @@
-"""Rewrite both graphs so every storage the planner chose to offload crosses the link.
+"""Rewrite both graphs so every storage the planner chose to offload, and every streamed weight
+and its gradient, crosses the link on a copy stream.
 
-Assumes: ``plan_offload`` wrote an ``OffloadDecision`` on every saved forward value and
-``schedule_transfers`` placed every ``offload`` one (``offload_after``, ``wait_after``,
-``prefetch_after``).
+Assumes: ``graphs.storages`` holds every saved storage and ``place_transfers`` gave every
+``Action.OFFLOAD`` decision its :class:`~storm_compile.plan.Placement` (``offload_after``,
+``wait_after``, ``prefetch_after``).
 Guarantees: for each offloaded storage, owned by forward node ``r`` and saved as values
 ``m1..mk`` (``r`` itself or views of it; backward inputs ``h1..hk``):
 
@@ -32,14 +33,39 @@ A read is a non-view user of ``hi`` or of a view of it: the backward's views of 
 cost nothing and often sit at its top, so the wait goes before the first node that reads the
 data, and those views move after the wait.
 
+Streamed weights (``graphs.storages.fetches``): each ``w_dev = storm.fetch_weight(w, device)``
+of either graph becomes, with ``issue_after`` and ``first_read`` from its :class:`WeightFetch`::
+
+    issue_after(...)                                  # or the last graph input
+    w_dev       = storm.prefetch(w, device)
+    w_dev_ready = storm.record_event(w_dev)
+    ...
+    w_dev_done  = storm.wait_event(w_dev_ready, w)
+    <views of the fetch, moved here>
+    first_read(...)
+
+and each ``w_grad = storm.grad_to_host(g, host)`` of the backward
+(``graphs.storages.sends``) becomes::
+
+    issue_after(...)                                  # g's producer or a later node
+    g_host       = storm.send_grad(g, host_limit)
+    g_host_ready = storm.record_event(g_host)
+    ...
+    wait_after(...)
+    g_host_done  = storm.wait_event(g_host_ready, g)  # g's last use: its memory is released
+    ...
+    w_grad       = storm.wait_host(g_host_done)       # right before w_grad's first reader: the
+    return (..., w_grad, ...)                         # output (or a tied weight's host sum)
+
 ``meta["val"]`` of every new node, and of ``h1..hk``, comes from the ops' fake implementations;
 the replayed views have the strides the backward was traced with.
-Idempotent: a second run finds the saved values produced by storm ops and changes nothing.
+Idempotent: a second run finds the offloaded storages no longer saved (the forward returns
+their ``wait_event`` instead), and no ``fetch_weight`` or ``grad_to_host`` left, and changes
+nothing.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
@@ -48,25 +74,18 @@ from torch.utils._pytree import tree_leaves
 
 from storm_compile import ops
 from storm_compile.graphs import (
-    DECISION_KEY,
     PassContext,
     StormGraphs,
-    alias_root,
-    backward_placeholder,
-    first_backward_read,
+    backward_inputs,
     output_node,
     saved_values,
-    view_chain,
-    view_closure,
 )
+from storm_compile.plan import Action, GradSend, WeightFetch
+from storm_compile.vocabulary import node_order, view_chain, view_closure
 
 
 def _fake_call(target, args: Sequence[object], kwargs: dict[str, object]) -> torch.Tensor:
-    def val(a):
-        return a.meta["val"] if isinstance(a, fx.Node) else a
-
-    fake_args = [val(a) for a in args]
-    fake_kwargs = {k: val(v) for k, v in kwargs.items()}
+    fake_args, fake_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda a: a.meta["val"])
     fake_mode = next(a.fake_mode for a in tree_leaves(fake_args) if hasattr(a, "fake_mode"))
     with fake_mode:
         return target(*fake_args, **fake_kwargs)
@@ -79,25 +98,23 @@ def _emit(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> f
     return node
 
 
-def _node(graph: fx.Graph, name: str) -> fx.Node:
-    return next(n for n in graph.nodes if n.name == name)
-
-
-def _offload_in_forward(graph: fx.Graph, root: fx.Node, offload_after: str, wait_after: str,
+def _offload_in_forward(graph: fx.Graph, root: fx.Node, issue: fx.Node, anchor: fx.Node,
                         ctx: PassContext) -> fx.Node:
-    issue = _node(graph, offload_after)
     with graph.inserting_after(issue):
         host = _emit(graph, ops.offload, (root, ctx.config.host_memory_limit))
     with graph.inserting_after(host):
         ready = _emit(graph, ops.record_event, (host,))
-    anchor = _node(graph, wait_after)
     with graph.inserting_after(ready if anchor is issue else anchor):
         return _emit(graph, ops.wait_event, (ready, root))
 
 
 def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
-                          prefetch_after: str | None, device: torch.device) -> None:
-    """``members`` maps each backward input of the storage to the saved forward value."""
+                          inputs: dict[fx.Node, fx.Node], prefetch_after: fx.Node | None,
+                          device: torch.device) -> None:
+    """``members`` maps each backward input of the storage to the saved forward value;
+    ``inputs`` every saved forward value to its backward input. Symbolic sizes in the replayed
+    views are the backward's inputs that receive them (``plan_offload`` lets a view move only
+    when the sizes it uses are saved)."""
     placeholders = list(members)
     source = placeholders[0]
     users = {h: list(h.users) for h in placeholders}
@@ -105,7 +122,7 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
     closures = [view_closure(h, order) for h in placeholders]
     first_use = min((r for _, readers in closures for r in readers), key=order.__getitem__)
     anchor = graph.find_nodes(op="placeholder")[-1] if prefetch_after is None \
-        else _node(graph, prefetch_after)
+        else prefetch_after
     with graph.inserting_after(anchor):
         dev = _emit(graph, ops.prefetch, (source, device))
     with graph.inserting_after(dev):
@@ -115,46 +132,106 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
         for h, saved in members.items():
             rebuilt = done
             for view in view_chain(saved):
-                rebuilt = _emit(graph, view.target, (rebuilt, *view.args[1:]), dict(view.kwargs))
+                args, kwargs = fx.node.map_arg((view.args[1:], view.kwargs), inputs.__getitem__)
+                rebuilt = _emit(graph, view.target, (rebuilt, *args), dict(kwargs))
             for user in users[h]:
                 user.replace_input_with(h, rebuilt)
     for view in sorted((v for views, _ in closures for v in views), key=order.__getitem__):
         first_use.prepend(view)
 
 
+def _fetch_ahead(graph: fx.Graph, fetch: WeightFetch) -> None:
+    """Replace a streamed weight's fetch by a prefetch issued after ``fetch.issue_after`` and
+    its wait right before ``fetch.first_read``; the fetch's views move after the wait."""
+    node = fetch.node
+    weight, device = node.args
+    views = view_closure(node, {n: i for i, n in enumerate(graph.nodes)})[0]
+    anchor = graph.find_nodes(op="placeholder")[-1] if fetch.issue_after is None \
+        else fetch.issue_after
+    with graph.inserting_after(anchor):
+        dev = _emit(graph, ops.prefetch, (weight, device))
+    with graph.inserting_after(dev):
+        ready = _emit(graph, ops.record_event, (dev,))
+    with graph.inserting_before(fetch.first_read):
+        done = _emit(graph, ops.wait_event, (ready, weight))
+    node.replace_all_uses_with(done)
+    graph.erase_node(node)
+    for view in views:
+        fetch.first_read.prepend(view)
+
+
+def _send_home(graph: fx.Graph, send: GradSend, ctx: PassContext) -> None:
+    """Replace a streamed weight's ``grad_to_host`` by a copy on the D2H stream issued after
+    ``send.issue_after``, a compute-stream wait after ``send.wait_after`` (the gradient's last
+    use; at the latest right before the host copy's first reader) and a host wait right before the host copy's first reader: the output, or the host
+    sum of a tied weight's gradients."""
+    node = send.node
+    grad = node.args[0]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_reader = min(node.users, key=order.__getitem__)
+    with graph.inserting_after(send.issue_after):
+        host = _emit(graph, ops.send_grad, (grad, ctx.config.host_memory_limit))
+    with graph.inserting_after(host):
+        ready = _emit(graph, ops.record_event, (host,))
+    if send.wait_after is send.issue_after:
+        waiting = graph.inserting_after(ready)
+    elif order[send.wait_after] < order[first_reader]:
+        waiting = graph.inserting_after(send.wait_after)
+    else:
+        waiting = graph.inserting_before(first_reader)
+    with waiting:
+        done = _emit(graph, ops.wait_event, (ready, grad))
+    with graph.inserting_before(first_reader):
+        home = _emit(graph, ops.wait_host, (done,))
+    node.replace_all_uses_with(home)
+    graph.erase_node(node)
+
+
 def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     """Copies that share an anchor node are inserted last-first, so that each lane's queue (graph
     order) is the scheduler's: D2H by production, H2D by first read."""
-    groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-    for node in saved_values(graphs):
-        decision = node.meta.get(DECISION_KEY)
-        if decision is not None and decision.action == "offload":
-            groups[alias_root(node)].append(node)
+    saved = set(saved_values(graphs))
+    offloads = [(s, graphs.storages.decisions[s.root].placement)
+                for s in graphs.storages.with_action(Action.OFFLOAD)
+                if saved.issuperset(s.members)]
+    inputs = backward_inputs(graphs)
     out = output_node(graphs.forward)
-    forward_order = {n: i for i, n in enumerate(graphs.forward.graph.nodes)}
-    backward_order = {n: i for i, n in enumerate(graphs.backward.graph.nodes)}
-    by_read = sorted(groups, key=lambda r: backward_order[
-        first_backward_read(graphs, groups[r], backward_order)], reverse=True)
-    for root in sorted(groups, key=forward_order.__getitem__, reverse=True):
-        saved = groups[root]
-        decision = saved[0].meta[DECISION_KEY]
-        done = _offload_in_forward(graphs.forward.graph, root, decision.offload_after,
-                                   decision.wait_after, ctx)
-        out.args = (tuple(done if n in saved else n for n in out.args[0]),)
-        for h in (backward_placeholder(graphs, m) for m in saved):
+    forward_order = node_order(graphs.forward)
+    backward_order = node_order(graphs.backward)
+    for storage, placement in sorted(offloads, key=lambda o: forward_order[o[0].root],
+                                     reverse=True):
+        done = _offload_in_forward(graphs.forward.graph, storage.root, placement.offload_after,
+                                   placement.wait_after, ctx)
+        out.args = (tuple(done if n in storage.members else n for n in out.args[0]),)
+        for h in (inputs[m] for m in storage.members):
             h.meta["val"] = done.meta["val"]
             h.meta.pop("tensor_meta", None)
-    for root in by_read:
-        saved = groups[root]
-        members = {backward_placeholder(graphs, m): m for m in saved}
-        _prefetch_in_backward(graphs.backward.graph, members,
-                              saved[0].meta[DECISION_KEY].prefetch_after,
-                              root.meta["val"].device)
-        for member in saved:
+    fetches = {gm: [f for f in graphs.storages.fetches if f.node in present]
+               for gm in (graphs.forward, graphs.backward)
+               for present in [set(gm.graph.find_nodes(op="call_function",
+                                                       target=ops.fetch_weight))]}
+    for fetch in sorted(fetches[graphs.forward], key=lambda f: forward_order[f.first_read],
+                        reverse=True):
+        _fetch_ahead(graphs.forward.graph, fetch)
+    by_read = [(backward_order[f.first_read], f) for f in fetches[graphs.backward]] + \
+        [(backward_order[s.first_read], (s, p)) for s, p in offloads]
+    for _, item in sorted(by_read, key=lambda r: r[0], reverse=True):
+        if isinstance(item, WeightFetch):
+            _fetch_ahead(graphs.backward.graph, item)
+            continue
+        storage, placement = item
+        members = {inputs[m]: m for m in storage.members}
+        _prefetch_in_backward(graphs.backward.graph, members, inputs, placement.prefetch_after,
+                              storage.root.meta["val"].device)
+        for member in storage.members:
             for view in reversed(view_chain(member)):
                 if not view.users:
                     graphs.forward.graph.erase_node(view)
-    if groups:
+    unsent = set(graphs.backward.graph.find_nodes(op="call_function", target=ops.grad_to_host))
+    sends = [s for s in graphs.storages.sends if s.node in unsent]
+    for send in sorted(sends, key=lambda s: backward_order[s.node.args[0]], reverse=True):
+        _send_home(graphs.backward.graph, send, ctx)
+    if offloads or sends or any(fetches.values()):
         graphs.forward.recompile()
         graphs.backward.recompile()
     return graphs

@@ -23,126 +23,190 @@ relaxation's optimum plus the cost of the last storage taken. ``"auto"`` is the 
 hiding test is made with every candidate on the link at once: any subset of the storages that
 hide together still hides.
 
-Assumes: ``plan_offload`` marked with ``action == "offload"`` every storage that may move;
+Assumes: ``plan_offload`` built ``graphs.storages`` (every storage that may move is movable);
 ``annotate_costs`` ran. On the first split ``graphs.plan`` is None; after ``rematerialize``
 re-split the joint graph it holds the plan, and only offloads are chosen again, for the same
 target.
 Guarantees: ``graphs.plan`` is set (the no-storm baseline prediction, target, minimum, what is
-recomputed); every movable storage's decision is ``keep``, ``offload`` or ``recompute``, with
-the figures that decided it in ``reason``. Predicted activation memory is at most the target
-when one is given. A budget below the minimum raises :class:`StormBudgetError` (a
-``ValueError``) stating the minimum.
+recomputed); every movable storage's decision in ``graphs.storages`` is ``keep``, ``offload``
+or ``recompute``, with the :class:`~storm_compile.plan.Figures` that decided it, and for a
+kept one why it was held (``Held``, or the ``Unplaced`` reason its copies cannot hide).
+Predicted activation memory is at most the target when one is given. Byte and fraction budgets
+are the step's, shared with the step's other graphs through ``ctx.step``
+(:mod:`storm_compile.step_budget`), which raises ``StormBudgetError`` (a ``ValueError``) only
+when a byte budget is below the step's minimum; every plan is recorded there. In a graph that
+streams weights (:mod:`storm_compile.streaming`) a byte budget first pays for the weights the
+device holds (:class:`~storm_compile.streaming.DeviceWeights`: resident inputs, the prefetch
+window, the largest streamed weight) and the rest bounds activations; a budget below that plus
+the activations that cannot move raises ``StormBudgetError`` naming the largest weight. Graphs
+with no
+tensor where storm plans (CPU-only, without ``transfer_cpu_tensors``) are planned as without a
+budget.
 Emits: no nodes; only decisions change.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 from torch import fx
 
-from storm_compile.graphs import (
-    COST_KEY,
-    DECISION_KEY,
+from storm_compile.graphs import COST_KEY, PassContext, StormGraphs, saved_values
+from storm_compile.placement import place
+from storm_compile.plan import (
+    Action,
+    Decision,
+    Figures,
+    Held,
     MemoryPlan,
-    PassContext,
-    StormGraphs,
-    saved_values,
+    Placement,
+    Storage,
+    Unplaced,
 )
-from storm_compile.passes.schedule_transfers import Placement, place, storage_groups
+from storm_compile.prediction import Prediction
 from storm_compile.simulate import simulate
-
-GIB = 1 << 30
-US = 1e6
-
+from storm_compile.step_budget import GraphShare, StormBudgetError
+from storm_compile.streaming import device_weights
+from storm_compile.vocabulary import GIB, Lane, view_chain
 
 NO_BUDGET_SHARE = 0.5
 """Without a budget, memory saved is welcome but not asked for: offloads may spend only this
 share of ``max_overhead``, the rest being headroom for the model's error."""
 
 
-class StormBudgetError(ValueError):
-    """The memory budget cannot be met by this graph."""
-
-
 @dataclasses.dataclass(frozen=True)
 class _Item:
-    root: fx.Node
-    nbytes: int
-    recompute_s: float | None
-    """None when it cannot be recomputed, for the reason in ``no_recompute``."""
-    no_recompute: str
+    """A movable storage with the figures it is ranked by."""
+
+    storage: Storage
+    figures: Figures
     chain: tuple[fx.Node, ...]
-    offload_s: float
-    """Predicted step time an offload adds: host time, plus the copy when it cannot hide."""
-    hides: bool
+    """The forward nodes its recomputation reruns (empty when it cannot be recomputed)."""
 
     @property
-    def action(self) -> str:
-        cheaper = self.recompute_s is not None and self.recompute_s < self.offload_s
-        return "recompute" if cheaper else "offload"
+    def root(self) -> fx.Node:
+        return self.storage.root
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.nbytes
+
+    @property
+    def action(self) -> Action:
+        return self.figures.cheaper
 
     @property
     def cost_s(self) -> float:
-        return self.recompute_s if self.action == "recompute" else self.offload_s
+        return self.figures.cost_s
 
 
-def _recompute_chain(root: fx.Node, saved: set[fx.Node]) -> tuple[fx.Node, ...] | None:
-    """The forward nodes the backward would run to rebuild ``root`` from saved values and graph
-    inputs; None if one of them draws random numbers."""
-    chain, seen, stack = [], {root}, [root]
+def _multi_output(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _recompute_chain(root: fx.Node, members: list[fx.Node], saved: set[fx.Node]
+                     ) -> tuple[tuple[fx.Node, ...], str | None]:
+    """The forward nodes the backward would run to rebuild ``root`` and its saved views
+    ``members`` from the values that stay saved (``saved``) and graph inputs, with the reason
+    it cannot be rebuilt (then no chain), or None.
+
+    The chain holds the view nodes from ``root`` to each member, and a multi-output op in it
+    (``native_layer_norm``, ``topk``, attention, ``unbind``) comes with all of its items: the
+    partitioner can only recompute a tuple whole, so the storage cannot be recomputed when
+    another item of the same op stays saved."""
+    start = [root, *(v for m in members for v in view_chain(m))]
+    chain, seen, stack = [], set(start), list(start)
     while stack:
         node = stack.pop()
         if node.op != "call_function":
             continue
         if isinstance(node.target, torch._ops.OpOverload) \
                 and torch.Tag.nondeterministic_seeded in node.target.tags:
-            return None
+            return (), f"its recompute chain draws random numbers ({node.name})"
         chain.append(node)
-        for arg in node.all_input_nodes:
+        items = list(node.users) if _multi_output(node) else []
+        kept = [item.name for item in items if item in saved]
+        if kept:
+            return (), (f"{node.name} also produces {', '.join(kept)}, which stays saved: a "
+                        f"multi-output op is recomputed whole or not at all")
+        for arg in (*node.all_input_nodes, *items):
             if arg not in seen and arg not in saved:
                 seen.add(arg)
                 stack.append(arg)
-    return tuple(chain)
+    return tuple(chain), None
 
 
-def _items(graphs: StormGraphs, groups: dict[fx.Node, list[fx.Node]],
-           hiding: dict[fx.Node, Placement | str], ctx: PassContext,
+def _items(graphs: StormGraphs, movable: tuple[Storage, ...],
+           hiding: dict[fx.Node, Placement | Unplaced], ctx: PassContext,
            no_recompute: str | None) -> list[_Item]:
     """The storages, ranked by cost per byte; ``no_recompute`` says why none may be
     recomputed, None when they may."""
     saved = set(saved_values(graphs))
     host = ctx.cost.profile.transfer_host_s
     items = []
-    for root, members in groups.items():
-        chain = None if no_recompute else _recompute_chain(root, saved - {root, *members})
-        nbytes = root.meta[DECISION_KEY].storage_bytes
-        hides = isinstance(hiding[root], Placement)
-        items.append(_Item(
-            root=root, nbytes=nbytes,
-            recompute_s=None if chain is None else sum(n.meta[COST_KEY].compute_s for n in chain),
-            no_recompute=no_recompute or "its recompute chain draws random numbers",
-            chain=chain or (), hides=hides,
-            offload_s=host + (0.0 if hides else ctx.cost.transfer_seconds(nbytes, "d2h"))))
+    for storage in movable:
+        chain, why_not = ((), no_recompute) if no_recompute else _recompute_chain(
+            storage.root, list(storage.members), saved - {storage.root, *storage.members})
+        hides = isinstance(hiding[storage.root], Placement)
+        items.append(_Item(storage, Figures(
+            offload_s=host + (0.0 if hides else ctx.cost.transfer_seconds(storage.nbytes,
+                                                                          Lane.D2H)),
+            recompute_s=None if why_not else sum(n.meta[COST_KEY].compute_s for n in chain),
+            no_recompute=why_not or "", hides=hides), chain))
     return sorted(items, key=lambda i: (i.cost_s / i.nbytes, i.root.name))
 
 
-def _target(graphs: StormGraphs, ctx: PassContext, baseline_bytes: int) -> int | str | None:
+def _plans_device(graphs: StormGraphs, ctx: PassContext) -> bool:
+    """Whether any saved tensor lives where storm plans (a CUDA device, or any device with
+    ``transfer_cpu_tensors``); CPU-only graphs compile unchanged, budget or not."""
+    return ctx.config.transfer_cpu_tensors or any(
+        isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cuda"
+        for n in saved_values(graphs))
+
+
+class Goal(enum.Enum):
+    """What the plan aims at."""
+
+    HIDDEN = "hidden"
+    """No budget: only offloads whose copies hide, within part of ``max_overhead``."""
+    AUTO = "auto"
+    """The most bytes whose cost stays within ``max_overhead``."""
+    BYTES = "bytes"
+    """A number of activation bytes, at the least cost."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    goal: Goal
+    nbytes: int | None = None
+    """Activation bytes to reach (``Goal.BYTES`` only)."""
+
+
+def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
+            minimum: int) -> _Target:
     budget = ctx.config.memory_budget
     if graphs.plan is not None:
-        return graphs.plan.target_bytes
+        reached = graphs.plan.target_bytes
+        return _Target(Goal.HIDDEN) if reached is None else _Target(Goal.BYTES, reached)
+    if not _plans_device(graphs, ctx) or (budget is None and ctx.config.offload != "all"):
+        return _Target(Goal.HIDDEN)
     if ctx.config.offload == "all":
-        return "all"
-    if isinstance(budget, float):
-        return int(budget * baseline_bytes)
-    return budget
-
-
-def _decide(root: fx.Node, members: list[fx.Node], action: str, reason: str) -> None:
-    for node in (root, *members):
-        node.meta[DECISION_KEY] = dataclasses.replace(node.meta[DECISION_KEY], action=action,
-                                                      reason=reason)
+        return _Target(Goal.BYTES, minimum)
+    if budget == "auto":
+        return _Target(Goal.AUTO)
+    weights = device_weights(graphs.forward, ctx.config.prefetch_window_bytes)
+    if isinstance(budget, int) and weights is not None:
+        if budget < weights.nbytes + minimum:
+            raise StormBudgetError(
+                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the minimum "
+                f"for this streamed model, {weights.nbytes + minimum} bytes "
+                f"({(weights.nbytes + minimum) / GIB:.3f} GiB): the device must hold "
+                f"{weights.describe()}, and {minimum} bytes of activations that cannot move")
+        budget -= weights.nbytes
+    return _Target(Goal.BYTES, ctx.step.target_bytes(ctx.graph, budget,
+                                                     baseline.activation_bytes, minimum))
 
 
 def _within(items: list[_Item], allowance: float) -> list[_Item]:
@@ -178,22 +242,23 @@ the others may hide, which makes offloading them cheaper; the plan is chosen aga
 until the set of hiding storages stops changing (two or three rounds on transformers)."""
 
 
-def _select(ranked: list[_Item], target: int | str | None, need: int,
+def _select(ranked: list[_Item], target: _Target, need: int,
             allowance: float) -> list[_Item]:
-    if target is None:
-        hidden = sorted((i for i in ranked if i.hides), key=lambda i: -i.nbytes)
-        return _within([dataclasses.replace(i, recompute_s=None, no_recompute="no budget set")
-                        for i in hidden], NO_BUDGET_SHARE * allowance)
-    if target == "auto":
+    if target.goal is Goal.HIDDEN:
+        hidden = sorted((i for i in ranked if i.figures.hides), key=lambda i: -i.nbytes)
+        return _within([dataclasses.replace(i, figures=dataclasses.replace(
+            i.figures, recompute_s=None, no_recompute="no budget set")) for i in hidden],
+            NO_BUDGET_SHARE * allowance)
+    if target.goal is Goal.AUTO:
         return _within(ranked, allowance)
     return _covering(ranked, need)
 
 
-def _better(taken: list[_Item], best: list[_Item] | None, target: int | str | None) -> bool:
+def _better(taken: list[_Item], best: list[_Item] | None, target: _Target) -> bool:
     """``"auto"`` maximises bytes within its allowance; every other target minimises cost."""
     if best is None:
         return True
-    if target == "auto":
+    if target.goal is Goal.AUTO:
         return sum(i.nbytes for i in taken) > sum(i.nbytes for i in best)
     return sum(i.cost_s for i in taken) < sum(i.cost_s for i in best)
 
@@ -202,72 +267,68 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     first_split = graphs.plan is None
     now = simulate(graphs, ctx.cost)
     baseline = now if first_split else graphs.plan.baseline
-    groups = storage_groups(graphs, "offload")
+    storages = graphs.storages
+    movable = storages.movable()
     no_recompute = (None if first_split and ctx.config.recompute
                     else "recompute=False" if first_split
                     else "recomputation was planned on the first split")
-    minimum = now.activation_bytes - sum(m[0].meta[DECISION_KEY].storage_bytes
-                                         for m in groups.values())
-    target = _target(graphs, ctx, baseline.activation_bytes)
-    allowance = ctx.config.max_overhead * baseline.step_s
-    if target == "all":
-        target = minimum
-    if isinstance(target, int) and target < minimum:
-        raise StormBudgetError(
-            f"memory_budget {target} bytes ({target / GIB:.3f} GiB) is below the minimum "
-            f"feasible for this graph, {minimum} bytes ({minimum / GIB:.3f} GiB): what must "
-            f"stay on the device at the end of the forward (outputs, views of inputs, "
-            f"tensors under min_offload_bytes or of dynamic shape)")
-    need = now.activation_bytes - target if isinstance(target, int) else 0
+    minimum = now.activation_bytes - sum(s.nbytes for s in movable)
+    if not first_split:
+        minimum = graphs.plan.minimum_bytes
+    target = _target(graphs, ctx, baseline, minimum)
+    allowance = (ctx.step.allowance_s(ctx.graph, baseline.step_s, ctx.config.max_overhead)
+                 if target.goal is Goal.AUTO else ctx.config.max_overhead * baseline.step_s)
+    need = now.activation_bytes - target.nbytes if target.goal is Goal.BYTES else 0
 
-    hiding = place(graphs, groups, set(), ctx)
+    hiding = place(graphs, movable, set(), ctx).storages
     best = None
     for _ in range(MAX_PLAN_ROUNDS):
-        ranked = _items(graphs, groups, hiding, ctx, no_recompute)
+        ranked = _items(graphs, movable, hiding, ctx, no_recompute)
         taken = _select(ranked, target, need, allowance)
         if _better(taken, best and best[1], target):
             best = (ranked, taken, hiding)
-        recomputed = {i.root for i in taken if i.action == "recompute"}
+        recomputed = {i.root for i in taken if i.action is Action.RECOMPUTE}
         if not recomputed:
             break
-        on_link = {r: m for r, m in groups.items() if r not in recomputed}
-        again = {**hiding, **place(graphs, on_link, set(), ctx)}
+        on_link = [s for s in movable if s.root not in recomputed]
+        again = {**hiding, **place(graphs, on_link, set(), ctx).storages}
         if {r for r, p in again.items() if isinstance(p, Placement)} == \
                 {r for r, p in hiding.items() if isinstance(p, Placement)}:
             break
         hiding = again
     ranked, taken, hiding = best
-    unmet = {None: "its host time would pass max_overhead",
-             "auto": "its cost would pass max_overhead"}.get(target,
-                                                             "the budget is met without it")
-    if target == "auto":
-        target = now.activation_bytes - sum(i.nbytes for i in taken)
+    unmet = {Goal.HIDDEN: Held.HOST_TIME, Goal.AUTO: Held.COST,
+             Goal.BYTES: Held.BUDGET_MET}[target.goal]
+    target_bytes = (now.activation_bytes - sum(i.nbytes for i in taken)
+                    if target.goal is Goal.AUTO else target.nbytes)
 
     chosen = {i.root: i for i in taken}
+    decisions: dict[fx.Node, Decision] = {}
     recompute: list[str] = []
     for item in ranked:
-        members = groups[item.root]
         way = chosen.get(item.root)
+        eligibility = item.storage.eligibility
         if way is None:
             why = hiding[item.root]
-            _decide(item.root, members, "keep",
-                    why if isinstance(why, str) and target is None else unmet)
-        elif way.action == "recompute":
-            _decide(item.root, members, "recompute",
-                    f"rebuilt in {item.recompute_s * US:.0f} µs, below an offload's "
-                    f"{item.offload_s * US:.0f} µs")
-            recompute += [n.name for n in (*item.chain, *members)]
+            held = why if isinstance(why, Unplaced) and target.goal is Goal.HIDDEN else unmet
+            decisions[item.root] = Decision(Action.KEEP, eligibility, item.figures, held)
         else:
-            copy = "copies predicted to hide" if item.hides else "link-bound copy"
-            alternative = (f"not recomputed: {item.no_recompute}" if way.recompute_s is None
-                           else f"recompute would take {item.recompute_s * US:.0f} µs")
-            _decide(item.root, members, "offload",
-                    f"{copy}, {item.offload_s * US:.0f} µs added; {alternative}")
+            decisions[item.root] = Decision(way.action, eligibility, way.figures)
+            if way.action is Action.RECOMPUTE:
+                recompute += [n.name for n in (*item.chain, *item.storage.members)]
+    storages = storages.decided(decisions)
+    recomputed = [i for i in taken if i.action is Action.RECOMPUTE]
+    earlier_s = 0.0 if first_split else graphs.plan.recompute_s
+    ctx.step.record(ctx.graph, GraphShare(
+        baseline_bytes=baseline.activation_bytes, minimum_bytes=minimum,
+        planned_bytes=now.activation_bytes - sum(i.nbytes for i in taken),
+        baseline_step_s=baseline.step_s,
+        spent_s=earlier_s + sum(i.cost_s for i in taken)))
     if not first_split:
-        return graphs
-    recomputed = [i for i in taken if i.action == "recompute"]
-    return dataclasses.replace(graphs, plan=MemoryPlan(
-        baseline=baseline, target_bytes=target, minimum_bytes=minimum,
+        return dataclasses.replace(graphs, storages=storages)
+    return dataclasses.replace(graphs, storages=storages, plan=MemoryPlan(
+        baseline=baseline, target_bytes=target_bytes, minimum_bytes=minimum,
         recompute=tuple(dict.fromkeys(recompute)),
         recompute_bytes=sum(i.nbytes for i in recomputed),
-        recompute_s=sum(i.recompute_s for i in recomputed)))
+        recompute_s=sum(i.figures.recompute_s for i in recomputed),
+        recomputed=tuple((i.storage, decisions[i.root]) for i in recomputed)))

@@ -7,91 +7,117 @@ the device memory is freed only when none of them is held any more. This pass sa
 storages *may* move (``action == "offload"``); ``plan_memory`` then decides what each one does.
 
 Assumes: ``annotate_costs`` ran; the graphs are a partitioner's forward/backward pair.
-Guarantees: every saved forward value, and the node owning its storage, has
-``meta[DECISION_KEY]``, an :class:`~storm_compile.graphs.OffloadDecision`. ``offload`` is
-chosen only when the storage is owned by a forward op (not a graph input or a storm transfer),
-no user-visible output shares it, it is dense, non-empty, of static shape, on a CUDA device
-(any device with ``transfer_cpu_tensors``), at least ``min_offload_bytes``, and every saved view
-of it can be rebuilt in the backward from the storage alone. ``reason`` says which rule decided.
+Guarantees: ``graphs.storages`` is a new :class:`~storm_compile.plan.StoragePlan` holding one
+:class:`~storm_compile.plan.Storage` per storage saved for the backward, in the order of the
+saved values, each with its :class:`~storm_compile.plan.Eligibility`. A storage is movable
+only when it is owned by a forward op (not a graph input or a storm transfer), no user-visible
+output shares it, it is not an output of a higher-order op (the RNG state of a checkpointed
+region), it is dense and non-empty at the traced sizes, on a CUDA device (any device with
+``transfer_cpu_tensors``), at least ``min_offload_bytes``, read by the backward, and every saved
+view of it can be rebuilt in the backward from the storage alone; otherwise the first
+:class:`~storm_compile.plan.Rule` it breaks is recorded. Every decision is ``keep`` for the
+storages that must stay and ``offload`` (a candidate: ``plan_memory`` decides) for the others.
 Emits: no nodes; the graphs are not changed.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import dataclasses
+import operator
 
 import torch
 from torch import fx
+from torch._ops import HigherOrderOperator
 
 from storm_compile.graphs import (
     COST_KEY,
-    DECISION_KEY,
-    OffloadDecision,
     PassContext,
     StormGraphs,
-    alias_root,
     backward_placeholder,
-    is_dense,
-    is_transfer,
+    first_backward_read,
     model_outputs,
     saved_values,
+)
+from storm_compile.plan import (
+    MOVABLE,
+    Action,
+    Decision,
+    Eligibility,
+    Rule,
+    Storage,
+    StoragePlan,
+)
+from storm_compile.vocabulary import (
+    hint,
+    is_dense,
+    is_transfer,
+    node_order,
+    storage_owner,
     view_chain,
 )
 
-OFFLOAD_REASON = "can be offloaded"
 
-
-def _replayable(member: fx.Node) -> bool:
-    """Whether the member's view chain uses nothing but the storage and constants."""
+def _replayable(member: fx.Node, saved: set[fx.Node]) -> bool:
+    """Whether the member's view chain uses nothing but the storage, constants and symbolic
+    sizes that are themselves saved for the backward (so the backward has them as inputs)."""
     for view in view_chain(member):
-        if any(isinstance(a, fx.Node) for a in (*view.args[1:], *view.kwargs.values())):
+        operands: list[fx.Node] = []
+        fx.node.map_arg((view.args[1:], view.kwargs), operands.append)
+        if any(n not in saved or not isinstance(n.meta.get("val"), torch.SymInt)
+               for n in operands):
             return False
     return True
 
 
-def _why_not(root: fx.Node, members: list[fx.Node], graphs: StormGraphs, ctx: PassContext,
-             visible_roots: set[fx.Node]) -> str | None:
-    """Why the storage owned by ``root`` must stay on its device, or None if it can move."""
+def _higher_order_output(root: fx.Node) -> bool:
+    source = root.args[0] if root.target is operator.getitem else root
+    return isinstance(getattr(source, "target", None), HigherOrderOperator)
+
+
+def _eligibility(root: fx.Node, members: list[fx.Node], graphs: StormGraphs,
+                 ctx: PassContext, visible_roots: set[fx.Node]) -> Eligibility:
+    """Whether the storage owned by ``root`` may leave its device, or the rule that keeps it."""
     val = root.meta.get("val")
     if not isinstance(val, torch.Tensor):
-        return "not a tensor"
+        return Eligibility(Rule.NOT_TENSOR)
+    if _higher_order_output(root):
+        return Eligibility(Rule.HIGHER_ORDER_OUTPUT)
     if root.op == "placeholder":
-        return "storage of a graph input (parameter, buffer or user input)"
+        return Eligibility(Rule.GRAPH_INPUT)
     if is_transfer(root):
-        return "already produced by a storm transfer"
+        return Eligibility(Rule.TRANSFERRED)
     if root in visible_roots:
-        return "storage shared with a user-visible output"
-    if any(not isinstance(s, int) for s in (*val.shape, *val.stride())):
-        return "dynamic shape"
-    if val.numel() == 0:
-        return "empty tensor"
+        return Eligibility(Rule.VISIBLE_OUTPUT)
+    if hint(val.numel()) == 0:
+        return Eligibility(Rule.EMPTY)
     if val.device.type != "cuda" and not ctx.config.transfer_cpu_tensors:
-        return f"on {val.device.type}, not a CUDA device"
+        return Eligibility(Rule.NOT_ON_CUDA, val.device.type)
     if not is_dense(val):
-        return "storage owner not dense in memory"
+        return Eligibility(Rule.NOT_DENSE)
     if root.meta[COST_KEY].output_bytes < ctx.config.min_offload_bytes:
-        return f"smaller than min_offload_bytes ({ctx.config.min_offload_bytes})"
+        return Eligibility(Rule.BELOW_MIN_BYTES, ctx.config.min_offload_bytes)
     if not any(backward_placeholder(graphs, m).users for m in members):
-        return "not read by the backward"
-    if not all(_replayable(m) for m in members):
-        return "a saved view of it depends on other values"
-    return None
+        return Eligibility(Rule.NOT_READ)
+    if not all(_replayable(m, set(saved_values(graphs))) for m in members):
+        return Eligibility(Rule.VIEW_DEPENDS)
+    return MOVABLE
 
 
 def plan_offload(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    visible_roots = {alias_root(n) for n in model_outputs(graphs)}
-    groups: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    visible_roots = {storage_owner(n) for n in model_outputs(graphs)}
+    groups: dict[fx.Node, list[fx.Node]] = {}
     for node in saved_values(graphs):
-        groups[alias_root(node)].append(node)
+        groups.setdefault(storage_owner(node), []).append(node)
+    order = node_order(graphs.backward)
+    storages, decisions = [], {}
     for root, members in groups.items():
-        reason = _why_not(root, members, graphs, ctx, visible_roots)
+        eligibility = _eligibility(root, members, graphs, ctx, visible_roots)
         cost = root.meta.get(COST_KEY)
-        decision = OffloadDecision(
-            action="keep" if reason else "offload",
-            reason=reason or OFFLOAD_REASON,
-            storage=root.name,
-            storage_bytes=cost.output_bytes if cost else 0,
-        )
-        for node in (root, *members):
-            node.meta[DECISION_KEY] = decision
-    return graphs
+        storages.append(Storage(
+            root=root, members=tuple(members), nbytes=cost.output_bytes if cost else 0,
+            first_read=first_backward_read(graphs, members, order)
+            if eligibility.movable else None,
+            eligibility=eligibility))
+        decisions[root] = Decision(Action.OFFLOAD if eligibility.movable else Action.KEEP,
+                                   eligibility)
+    return dataclasses.replace(graphs, storages=StoragePlan(tuple(storages), decisions))

@@ -8,10 +8,11 @@ and the forward nodes between it and the values that stay saved) is tagged
 ``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE`` — the tag selective activation
 checkpointing uses — and the joint graph is split again by the same min-cut partitioner, which
 then saves none of them and rebuilds them in the backward, ordered the way the autograd engine
-would run them. The new pair carries the same ``joint`` and ``plan``; each recomputed storage's owner in
-the new forward keeps its ``recompute`` decision (for the schedule's table); otherwise its nodes
-carry no storm annotations yet (``annotate_costs``, ``plan_offload`` and ``plan_memory`` run
-again on it).
+would run them. The new pair carries the same ``joint`` and ``plan`` (whose ``recomputed`` keeps the
+recomputed storages' decisions for the report) and no storage plan yet: ``annotate_costs``,
+``plan_offload`` and ``plan_memory`` run again on it.
+If the partitioner rejects the tags, they are taken off the joint graph again and
+:class:`RecomputeRejectedError` is raised (the pipeline then plans without recomputation).
 Emits: no storm nodes; the partitioner's recomputation of the tagged nodes in the backward.
 """
 
@@ -19,24 +20,31 @@ from __future__ import annotations
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from storm_compile.graphs import DECISION_KEY, PassContext, StormGraphs
+from storm_compile.graphs import PassContext, StormGraphs
+from storm_compile.vocabulary import RECOMPUTE_TAG
 
-RECOMPUTE_TAG = "recompute"
-"""The ``node.meta`` key the partitioner reads checkpoint policies from."""
+
+class RecomputeRejectedError(RuntimeError):
+    """The partitioner could not split the joint graph with the planned recompute tags."""
 
 
 def rematerialize(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     if graphs.plan is None or not graphs.plan.recompute:
         return graphs
     names = set(graphs.plan.recompute)
+    before = {}
     for node in graphs.joint.module.graph.nodes:
         if node.name in names:
+            before[node] = node.meta.get(RECOMPUTE_TAG)
             node.meta[RECOMPUTE_TAG] = CheckpointPolicy.MUST_RECOMPUTE
-    decided = {n.name: n.meta[DECISION_KEY] for n in graphs.forward.graph.nodes
-               if DECISION_KEY in n.meta and n.meta[DECISION_KEY].action == "recompute"}
-    forward, backward = graphs.joint.split()
-    for node in forward.graph.nodes:
-        if node.name in decided:
-            node.meta[DECISION_KEY] = decided[node.name]
+    try:
+        forward, backward = graphs.joint.split()
+    except RuntimeError as error:
+        for node, tag in before.items():
+            if tag is None:
+                node.meta.pop(RECOMPUTE_TAG)
+            else:
+                node.meta[RECOMPUTE_TAG] = tag
+        raise RecomputeRejectedError(str(error).strip().splitlines()[0]) from error
     return StormGraphs(forward, backward, graphs.num_fwd_outputs, joint=graphs.joint,
                        plan=graphs.plan)

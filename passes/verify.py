@@ -6,8 +6,12 @@ Checks, on top of ``fx.Graph.lint``:
   * ``offload`` only in the forward, on a value produced there that is neither a graph input
     nor a user-visible output; its wait keeps the source alive and is the source's last use;
     the wait's result only leaves the forward as a saved value;
-  * ``prefetch`` only in the backward, of a backward input read by nothing but the prefetch
-    and its wait (keepalive).
+  * ``prefetch`` of a graph input read by nothing but its prefetches and their waits
+    (keepalive), and, in the forward, the output (a streamed weight saved for the backward's
+    own fetch): in the backward a saved activation's host copy or a streamed weight, in the
+    forward a streamed weight;
+  * ``send_grad`` only in the backward, its wait keeping the gradient alive and read only by
+    one ``wait_host``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 from torch import fx
 
 from storm_compile import ops
-from storm_compile.graphs import StormGraphs, alias_root, model_outputs, output_node
+from storm_compile.graphs import StormGraphs, model_outputs, output_node
+from storm_compile.vocabulary import storage_owner
 
 
 class StormVerificationError(RuntimeError):
@@ -43,19 +48,36 @@ def _check_chain(graph_name: str, transfer: fx.Node) -> fx.Node:
     return wait
 
 
+def _check_prefetches(graph_name: str, graph: fx.Graph, allowed: set[fx.Node]) -> None:
+    """Every prefetch copies a graph input that nothing else reads but its prefetches, their
+    waits, and the nodes in ``allowed``."""
+    prefetches = graph.find_nodes(op="call_function", target=ops.prefetch)
+    chains = {node: _check_chain(graph_name, node) for node in prefetches}
+    for node in prefetches:
+        source = node.args[0]
+        if source.op != "placeholder":
+            _fail(graph_name, node, f"prefetches {source.name!r}, which is not a graph input")
+    for source in {node.args[0] for node in prefetches}:
+        extra = set(source.users) - set(prefetches) - set(chains.values()) - allowed
+        if extra:
+            _fail(graph_name, source, f"read on the host by {[u.name for u in extra]} "
+                                      f"instead of through its prefetch")
+
+
 def _check_forward(graphs: StormGraphs) -> None:
     graph = graphs.forward.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     visible = set(model_outputs(graphs))
-    visible_roots = {alias_root(v) for v in visible}
-    for node in graph.find_nodes(op="call_function", target=ops.prefetch):
-        _fail("forward", node, "prefetch belongs in the backward")
+    visible_roots = {storage_owner(v) for v in visible}
+    _check_prefetches("forward", graph, {output_node(graphs.forward)})
+    for node in graph.find_nodes(op="call_function", target=ops.send_grad):
+        _fail("forward", node, "send_grad belongs in the backward")
     for node in graph.find_nodes(op="call_function", target=ops.offload):
         source = node.args[0]
         if source.op == "placeholder" or source in visible_roots:
             _fail("forward", node, f"offloads {source.name!r}, a graph input or visible output")
         wait = _check_chain("forward", node)
-        late = [u for n in graph.nodes if alias_root(n) is source for u in n.users
+        late = [u for n in graph.nodes if storage_owner(n) is source for u in n.users
                 if u is not wait and order[u] > order[wait]]
         if late:
             _fail("forward", source, f"read by {[u.name for u in late]} after its offload "
@@ -68,15 +90,12 @@ def _check_backward(graphs: StormGraphs) -> None:
     graph = graphs.backward.graph
     for node in graph.find_nodes(op="call_function", target=ops.offload):
         _fail("backward", node, "offload belongs in the forward")
-    for node in graph.find_nodes(op="call_function", target=ops.prefetch):
-        source = node.args[0]
-        if source.op != "placeholder":
-            _fail("backward", node, f"prefetches {source.name!r}, which is not a backward input")
+    _check_prefetches("backward", graph, set())
+    for node in graph.find_nodes(op="call_function", target=ops.send_grad):
         wait = _check_chain("backward", node)
-        extra = set(source.users) - {node, wait}
-        if extra:
-            _fail("backward", source, f"read on the host by {[u.name for u in extra]} "
-                                      f"instead of through its prefetch")
+        homes = list(wait.users)
+        if len(homes) != 1 or homes[0].target is not ops.wait_host:
+            _fail("backward", wait, f"must feed exactly one wait_host, feeds {homes}")
 
 
 def verify_graphs(graphs: StormGraphs) -> None:

@@ -11,25 +11,30 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from uuid import uuid4
 
 import torch
+import torch._inductor.config as inductor_config
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
+from storm_compile import passes
 from storm_compile.calibrate import profile_for
 from storm_compile.config import StormConfig, StormOptionError
 from storm_compile.cost_model import CostModel, MeasuredCosts
 from storm_compile.graphs import PassContext, StormGraphs
+from storm_compile.pin_transfers import inductor_patches
 from storm_compile.pipeline import storm_partition
+from storm_compile.vocabulary import is_transfer
 
 log = logging.getLogger("storm_compile")
 
-_PACKAGE_DIR = Path(__file__).parent
-_SOURCE_FILES = tuple(sorted(str(p) for d in (_PACKAGE_DIR, _PACKAGE_DIR / "passes")
+_SOURCE_FILES = tuple(sorted(str(p) for d in (Path(__file__).parent, Path(passes.__file__).parent)
                              for p in d.glob("*.py")))
+"""storm's sources, wherever the build put them: the cache key of its plans."""
 
 
 class StormPartitioner(CustomPartitionerFn):
@@ -39,16 +44,28 @@ class StormPartitioner(CustomPartitionerFn):
                  observer: Callable[[StormGraphs], None] | None = None) -> None:
         self.ctx = ctx
         self.observer = observer
+        self._uncached = f"storm-uncached-{uuid4()}"
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs: Any):
         return storm_partition(joint, joint_inputs, ctx=self.ctx, observer=self.observer,
                                **kwargs)
 
     def uuid(self) -> Any:
-        if self.observer is not None or self.ctx.cost.override is not None:
+        """A cache key for AOTAutograd's cache, or None to bypass it: with an observer or a
+        cost override, and with a memory budget, whose plan for a graph depends on what the
+        step's other graphs planned (a cache hit would skip recording this graph's share)."""
+        if self.observer is not None or self.ctx.cost.override is not None \
+                or self.ctx.config.memory_budget is not None:
             return None
         return (get_hash_for_files(_SOURCE_FILES), repr(self.ctx.config),
                 repr(self.ctx.cost.profile))
+
+    def __reduce__(self):
+        """Torch's caches pickle the Inductor config, which holds this partitioner: it pickles
+        as its :meth:`uuid`, or, when it has none, as a key of its own that no other process
+        shares (AOTAutograd's cache then misses instead of reusing another plan)."""
+        key = self.uuid()
+        return str, (self._uncached if key is None else f"storm-{key}",)
 
 
 def _needs_backward(example_inputs: list[Any]) -> bool:
@@ -67,10 +84,7 @@ class StormBackend:
                  observer: Callable[[StormGraphs], None] | None = None,
                  cost_override: Callable[[fx.Node], float | None] | None = None) -> None:
         self.config = config
-        try:
-            profile = profile_for(config.profile)
-        except ValueError as error:
-            raise StormOptionError(f"storm option 'profile': {error}") from error
+        profile = profile_for(config.profile)
         if config.cost == "measured":
             if not torch.cuda.is_available():
                 raise StormOptionError("storm option 'cost': 'measured' times ops on a CUDA "
@@ -90,14 +104,21 @@ class StormBackend:
             return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                                 partition_fn=self.partitioner,
                                 keep_inference_input_mutations=True)(gm, example_inputs)
-        # NOTE: Inductor's reorder_for_peak_memory moves allocating nodes late and freeing nodes
-        # early. For storm that means a prefetch (it allocates) lands next to its wait and an
-        # offload's wait (it frees) next to its offload: the copies would no longer overlap
-        # compute. The transfer placement already bounds memory, so that reordering is off.
-        return compile_fx(gm, example_inputs, config_patches={
-            "custom_partitioner_fn": self.partitioner,
-            "reorder_for_peak_memory": False,
-        })
+        return compile_fx(gm, example_inputs, inner_compile=_compile_graph,
+                          config_patches={"custom_partitioner_fn": self.partitioner})
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):
+    """Inductor's compile of one forward or backward graph, as ``torch.compile`` does it; in a
+    graph with storm's transfers, Inductor's peak-memory reordering is followed by
+    :func:`~storm_compile.pin_transfers.pin_transfers`, which puts the copies back where
+    storm placed them."""
+    moves = any(is_transfer(n) for n in gm.graph.nodes)
+    # The graph is partitioned already: Inductor's FX graph cache keys on the graph, not on
+    # the partitioner that made it.
+    with inductor_config.patch(custom_partitioner_fn=None,
+                               **(inductor_patches() if moves else {})):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def storm(**options: Any) -> StormBackend:

@@ -1,7 +1,8 @@
 """Measure the present GPU into a :class:`DeviceProfile`, and cache it on disk.
 
-``storm calibrate`` runs :func:`calibrate`; the backend's ``profile="auto"`` reads the cached
-calibration of the present GPU, measuring it on first use.
+``storm calibrate`` runs :func:`calibrate`; ``profile="auto"`` (the backend's and the CLI's
+default, resolved by :func:`profile_for`) reads the cached calibration of the present GPU,
+measuring it on first use.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from pathlib import Path
 import torch
 
 from storm_compile import ops
-from storm_compile.cost_model import PROFILES, DeviceProfile, resolve_profile
+from storm_compile.config import StormOptionError
+from storm_compile.profiles import PROFILES, DeviceProfile, resolve_profile
+from storm_compile.vocabulary import MS
 
 COPY_BYTES = 256 << 20
 """Large enough for a copy to run at full link rate (64 MiB already does on the H100)."""
@@ -34,7 +37,12 @@ REPEATS = 10
 log = logging.getLogger("storm_compile")
 
 FALLBACK_PROFILE = "cpu-test"
-"""Profile of ``"auto"`` without CUDA: only CPU graphs (``transfer_cpu_tensors``) are planned."""
+"""Profile of ``"auto"`` without CUDA where the graphs run on the CPU (the backend, with
+``transfer_cpu_tensors``): only CPU graphs are planned there."""
+
+GPU_PLANNING_PROFILE = "h100"
+"""Profile of ``"auto"`` without CUDA where the graphs are planned for a GPU that is absent (the
+CLI traces on the CPU): the GPU the project's anchors were measured on."""
 
 
 def _median_seconds(work: Callable[[], None], repeats: int = REPEATS) -> float:
@@ -46,7 +54,7 @@ def _median_seconds(work: Callable[[], None], repeats: int = REPEATS) -> float:
         work()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / MS)
     return statistics.median(times)
 
 
@@ -129,10 +137,11 @@ def cache_path(cache_dir: Path | None = None) -> Path:
     return Path(base) / "storm_compile" / f"{slug}-torch{torch.__version__}.json"
 
 
-def auto_profile() -> DeviceProfile:
-    """The cached calibration of the present GPU, measured now if there is none."""
+def auto_profile(without_cuda: str = FALLBACK_PROFILE) -> DeviceProfile:
+    """The cached calibration of the present GPU, measured now if there is none; the built-in
+    profile ``without_cuda`` when there is no CUDA device."""
     if not torch.cuda.is_available():
-        return PROFILES[FALLBACK_PROFILE]
+        return PROFILES[without_cuda]
     path = cache_path()
     if path.is_file():
         try:
@@ -145,6 +154,13 @@ def auto_profile() -> DeviceProfile:
     return profile
 
 
-def profile_for(spec: str) -> DeviceProfile:
-    """Resolve the ``profile`` option: ``"auto"``, a built-in name, or a JSON path."""
-    return auto_profile() if spec == "auto" else resolve_profile(spec)
+def profile_for(spec: str, without_cuda: str = FALLBACK_PROFILE) -> DeviceProfile:
+    """Resolve the ``profile`` option, for the backend and the CLI alike: a built-in name, a
+    JSON path, or ``"auto"`` (:func:`auto_profile`, ``without_cuda`` naming the built-in profile
+    to use when there is no CUDA device). Raises :class:`StormOptionError` naming the option."""
+    if spec == "auto":
+        return auto_profile(without_cuda)
+    try:
+        return resolve_profile(spec)
+    except ValueError as error:
+        raise StormOptionError(f"storm option 'profile': {error}") from error

@@ -1,13 +1,18 @@
 """``storm``: command-line entry point.
 
 ``storm schedule MODEL`` traces MODEL's forward and backward with fake tensors (no real compute,
-no GPU, any size), runs storm's passes with a device profile, and prints both rewritten graphs
-in execution order: streams, events, predicted compute and transfer times and device memory,
-with the predicted step against the same graphs without storm underneath. The tensors live on
-the CPU while tracing, so activations are planned as they would be on the profile's GPU.
+no GPU, any size), runs storm's passes with a device profile, and prints the predicted step and
+memory with storm against without, and what happened to each activation saved for the backward
+(kept, offloaded or recomputed, and why); ``--nodes`` prints both rewritten graphs in execution
+order instead: streams, events, predicted compute and transfer times and device memory;
+``--timings`` adds each pass run: its seconds and what it changed. The tensors live on the CPU
+while tracing, so activations are planned as they would be on the profile's GPU: ``--profile``
+is resolved as the backend resolves its ``profile`` option, except that ``auto`` without a CUDA
+device plans for the h100.
 
 ``storm pareto MODEL`` plans the same model under a sweep of memory budgets and prints the
-predicted frontier: budget → step time, peak, bytes offloaded and recomputed.
+predicted frontier: budget → step time, peak, bytes offloaded and recomputed; budgets below the
+model's minimum are skipped with a note on stderr.
 
 ``storm calibrate`` measures the present GPU into a profile JSON.
 """
@@ -17,57 +22,111 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
-from collections.abc import Sequence
-
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from tabulate import tabulate
 from torch import nn
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.aot_autograd import aot_module_simplified
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
+from torch.utils._pytree import tree_leaves
 
 from storm_compile.backend import StormPartitioner
-from storm_compile.calibrate import cache_path, calibrate
-from storm_compile.config import StormConfig, StormOptionError
-from storm_compile.cost_model import CostModel, resolve_profile
-from storm_compile.graphs import PassContext, StormGraphs
-from storm_compile.models import BUILTIN_MODELS, GPTShape, ModelSpecError, build_gpt, load_factory
+from storm_compile.calibrate import GPU_PLANNING_PROFILE, cache_path, calibrate, profile_for
+from storm_compile.config import CPU_PLANNING, DEFAULT_PROFILE, StormConfig, StormOptionError
+from storm_compile.cost_model import CostModel
+from storm_compile.graphs import PassContext, PassRecord, StormGraphs
+from storm_compile.models import (
+    BUILTIN_MODELS,
+    FLOAT_DTYPES,
+    LLAMA_PRESETS,
+    GPTShape,
+    LlamaShape,
+    ModelSpecError,
+    build_gpt,
+    build_llama,
+    load_factory,
+)
 from storm_compile.passes import StormBudgetError
-from storm_compile.schedule import (
+from storm_compile.report import (
+    THROUGHPUT_FIELDS,
     annotate,
     chrome_trace,
     format_pareto,
+    format_storages,
     format_table,
+    format_throughput,
     pareto_points,
     pareto_svg,
 )
+from storm_compile.streaming import stream_parameters
 
 EXIT_USAGE = 2
 """Exit status for bad input (argparse's convention)."""
 
 _GPT_KNOBS = ("d_model", "layers", "heads", "seq", "batch", "hidden", "dtype")
-DEFAULT_PROFILE = "h100"
-"""The GPU the project's anchors were measured on."""
+_LLAMA_KNOBS = ("preset", "layers", "seq", "batch", "dtype")
+"""What sizes the built-in llama on the command line: a named shape, and overrides of it."""
+DEFAULT_LLAMA_PRESET = "1b"
 
 
 PARETO_FRACTIONS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.1)
 """Budgets ``storm pareto`` sweeps, as fractions of the no-storm activation memory; the graph's
 minimum feasible budget is added as the last point."""
 
+OUTPUT_RULE = ("if the model's output has a 'loss' entry (a dict key or an attribute) that is a "
+               "tensor, only the loss is differentiated; otherwise every floating-point tensor "
+               "in the output (a tensor, or dicts, dataclasses, namedtuples, tuples and lists of "
+               "them) is")
+
+USER_MODEL_ERRORS = (TypeError, ValueError, RuntimeError, LookupError, AttributeError)
+"""What a user's forward raises on example inputs it cannot take (a signature mismatch, a shape
+error, an op fake tensors cannot run). Caught only around the call of the user's model, where
+no storm code runs, so a bug in storm keeps its traceback."""
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+"""Logs the traceback of an op that fails on fake tensors, then raises the error; inside a user's
+forward the CLI reports that error in one line, so the log is muted there."""
+
+
+class UsageError(ValueError):
+    """A command-line argument that is not a storm option is unusable (an output path)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like storm's own."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"storm: error: {message} (see {self.prog} --help)\n")
+
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help=f"one of {', '.join(BUILTIN_MODELS)}, "
-                                      f"or path/to/file.py:factory returning (model, inputs)")
+    parser.add_argument("model", help=f"one of {', '.join(BUILTIN_MODELS)}, or "
+                                      f"path/to/file.py:factory returning (model, inputs); "
+                                      f"{OUTPUT_RULE}")
     defaults = GPTShape()
     for knob in _GPT_KNOBS:
+        allowed = f"; one of {', '.join(FLOAT_DTYPES)}" if knob == "dtype" else ""
+        models = "gpt and llama" if knob in _LLAMA_KNOBS else "gpt only"
         parser.add_argument(f"--{knob.replace('_', '-')}", default=None,
                             type=str if knob == "dtype" else int,
-                            help=f"gpt only (default {getattr(defaults, knob)})")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE,
-                        help=f"device profile: a built-in name or a JSON path "
-                             f"(default {DEFAULT_PROFILE})")
+                            help=f"{models} (gpt's default {getattr(defaults, knob)}{allowed}; "
+                                 f"llama's from its preset)" if knob in _LLAMA_KNOBS else
+                            f"{models} (default {getattr(defaults, knob)}{allowed})")
+    parser.add_argument("--preset", default=None, choices=tuple(LLAMA_PRESETS),
+                        help=f"llama only: a named shape (default {DEFAULT_LLAMA_PRESET})")
+    parser.add_argument("--profile", default=None,
+                        help=f"storm option profile: a built-in name, a JSON path, or auto "
+                             f"(default {DEFAULT_PROFILE}: the present GPU's calibration, as "
+                             f"the backend uses; without CUDA, {GPU_PLANNING_PROFILE})")
     parser.add_argument("--min-offload-bytes", default=None,
                         help="storm option min_offload_bytes (bytes or e.g. 4MiB)")
     parser.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
@@ -76,68 +135,201 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="storm", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="storm", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     schedule = commands.add_parser(
-        "schedule", help="print the annotated forward/backward schedule of a model")
+        "schedule", help="print the predicted step and memory, and each saved activation's fate")
     _model_arguments(schedule)
     schedule.add_argument("--offload", choices=("hidden", "all"), default=None,
                           help="storm option offload")
     schedule.add_argument("--memory-budget", default=None,
-                          help="storm option memory_budget: a size with its unit (e.g. 12GiB), "
-                               "a fraction such as 0.5 (a bare number is a fraction), or auto")
+                          help="storm option memory_budget, read as in Python: a number without "
+                               "a unit is a fraction in (0, 1] (0.5, 1), a size carries its unit "
+                               "(12GiB, 512MB), or auto")
     schedule.add_argument("--max-overhead", type=float, default=None,
                           help="storm option max_overhead (for --memory-budget auto)")
+    schedule.add_argument("--nodes", action="store_true",
+                          help="table format: print every node of both rewritten graphs and "
+                               "every summary figure instead")
     schedule.add_argument("--trace", type=Path, default=None,
                           help="write the predicted timeline as a Chrome/Perfetto trace JSON")
+    schedule.add_argument("--stream", action="store_true",
+                          help="keep the model's parameters of 1 MiB or more in host memory and "
+                               "stream them to the device (storm_compile.streaming)")
+    schedule.add_argument("--timings", action="store_true",
+                          help="also print each pass run: its seconds and what it changed "
+                               "(json format: under \"passes\")")
     pareto = commands.add_parser(
         "pareto", help="print the predicted step time and memory over a sweep of budgets")
     _model_arguments(pareto)
     pareto.add_argument("--budgets", default=None,
-                        help=f"comma-separated budgets (fractions or sizes; default "
-                             f"{','.join(map(str, PARETO_FRACTIONS))} and the minimum)")
+                        help=f"comma-separated budgets, each read as --memory-budget (default "
+                             f"{','.join(map(str, PARETO_FRACTIONS))} and the minimum); "
+                             f"budgets below the minimum are skipped with a note")
     pareto.add_argument("--plot", type=Path, default=None,
                         help="write the frontier as an SVG picture")
+    throughput = commands.add_parser(
+        "throughput", help="print the predicted tokens/s of a built-in model against tokens per "
+                           "micro-batch")
+    _model_arguments(throughput)
+    throughput.add_argument("--tokens", required=True,
+                            help="comma-separated tokens per micro-batch, multiples of --seq "
+                                 "(the batch is tokens / seq)")
+    throughput.add_argument("--memory-budget", default=None,
+                            help="storm option memory_budget, as for schedule")
+    throughput.add_argument("--stream", action="store_true",
+                            help="stream the parameters of 1 MiB or more from host memory, as "
+                                 "for schedule")
     calibrate_cmd = commands.add_parser("calibrate", help="measure the present GPU into a profile")
     calibrate_cmd.add_argument("--out", type=Path, default=None,
                                help="profile JSON to write (default: the backend's cache)")
     return parser
 
 
-class _TupleOutput(nn.Module):
-    """AOTAutograd traces modules whose forward returns a tuple."""
+def _is_dataclass_instance(value: object) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
-    def __init__(self, model: nn.Module) -> None:
+
+def _tensors(output: object) -> list[torch.Tensor]:
+    """Every tensor in ``output``, in order: pytree walks dicts, tuples, lists and namedtuples;
+    dataclasses (Hugging Face's ``ModelOutput`` among them) are walked by their fields."""
+    found = []
+    for leaf in tree_leaves(output, is_leaf=_is_dataclass_instance):
+        if _is_dataclass_instance(leaf):
+            found += _tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+        elif isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+    return found
+
+
+def differentiated(output: object, name: str) -> tuple[torch.Tensor, ...]:
+    """The outputs whose backward ``storm schedule`` plans, by :data:`OUTPUT_RULE`."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return (loss,)
+    outputs = tuple(t for t in _tensors(output) if t.is_floating_point())
+    if not outputs:
+        raise ModelSpecError(f"model {name!r}: its output holds no floating-point tensor to "
+                             f"differentiate")
+    return outputs
+
+
+class _TupleOutput(nn.Module):
+    """AOTAutograd traces modules whose forward returns a flat tuple of tensors: the model's
+    output as :func:`differentiated` reduces it."""
+
+    def __init__(self, model: nn.Module, name: str) -> None:
         super().__init__()
         self.model = model
+        self.name = name
 
     def forward(self, *inputs):
-        out = self.model(*inputs)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return differentiated(self.model(*inputs), self.name)
 
 
-def _build(args: argparse.Namespace, fake_mode: FakeTensorMode):
-    knobs = {k: getattr(args, k) for k in _GPT_KNOBS if getattr(args, k) is not None}
-    if args.model == "gpt":
-        if "dtype" in knobs and not isinstance(getattr(torch, knobs["dtype"], None), torch.dtype):
-            raise ModelSpecError(f"--dtype {knobs['dtype']!r} is not a torch dtype")
-        with fake_mode:
-            return build_gpt(dataclasses.replace(GPTShape(), **knobs))
-    if knobs:
-        raise ModelSpecError(f"--{next(iter(knobs)).replace('_', '-')} applies to the built-in "
+def _described(error: BaseException) -> str:
+    """The error's type and the first line of its message."""
+    return f"{type(error).__name__}: {next(iter(str(error).splitlines()), '')}"
+
+
+class _UserModel(nn.Module):
+    """A model of the user's: an error of its forward on the example inputs becomes a one-line
+    :class:`ModelSpecError` naming the model."""
+
+    def __init__(self, model: nn.Module, spec: str) -> None:
+        super().__init__()
+        self.model = model
+        self.spec = spec
+
+    def forward(self, *inputs):
+        fake_log = logging.getLogger(FAKE_TENSOR_LOGGER)
+        level = fake_log.level
+        fake_log.setLevel(logging.CRITICAL)
+        try:
+            return self.model(*inputs)
+        except DataDependentOutputException as error:
+            raise ModelSpecError(f"model {self.spec!r}: its forward has a data-dependent branch "
+                                 f"(Python control flow on a tensor's value, or .item()), which "
+                                 f"cannot be traced with fake tensors: {_described(error)}") \
+                from error
+        except DynamicOutputShapeException as error:
+            raise ModelSpecError(f"model {self.spec!r}: its forward calls an op whose output "
+                                 f"shape depends on tensor values, which cannot be traced with "
+                                 f"fake tensors: {_described(error)}") from error
+        except USER_MODEL_ERRORS as error:
+            raise ModelSpecError(f"model {self.spec!r}: its forward failed on the example "
+                                 f"inputs: {_described(error)}") from error
+        finally:
+            fake_log.setLevel(level)
+
+
+def builtin_shape(model: str, shape: dict[str, object]) -> GPTShape | LlamaShape | None:
+    """The shape of built-in ``model`` with the fields ``shape`` overrides; None for a factory.
+    Raises :class:`ModelSpecError` for a field the model does not take."""
+    shape = dict(shape)
+    if model == "gpt":
+        if "preset" in shape:
+            raise ModelSpecError("--preset applies to the built-in llama only")
+        return dataclasses.replace(GPTShape(), **shape)
+    if model == "llama":
+        wrong = [k for k in shape if k not in _LLAMA_KNOBS]
+        if wrong:
+            raise ModelSpecError(f"--{wrong[0].replace('_', '-')} applies to the built-in gpt "
+                                 f"only; llama takes --preset and overrides of its "
+                                 f"{', '.join(k for k in _LLAMA_KNOBS if k != 'preset')}")
+        preset = LLAMA_PRESETS[shape.pop("preset", DEFAULT_LLAMA_PRESET)]
+        return dataclasses.replace(preset, **shape)
+    if shape:
+        raise ModelSpecError(f"--{next(iter(shape)).replace('_', '-')} applies to the built-in "
                              f"gpt model only")
-    model, inputs = load_factory(args.model)
-    return model, tuple(fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
-                        for t in inputs)
+    return None
 
 
-def _trace(args: argparse.Namespace, ctx: PassContext) -> StormGraphs:
-    """Trace forward and backward with fake tensors and run storm's passes on them."""
+def _build(model: str, shape: dict[str, object], fake_mode: FakeTensorMode
+           ) -> tuple[nn.Module, tuple[object, ...]]:
+    builtin = builtin_shape(model, shape)
+    if builtin is not None:
+        with fake_mode:
+            return (build_gpt if model == "gpt" else build_llama)(builtin)
+    module, inputs = load_factory(model)
+    return _UserModel(module, model), tuple(
+        fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in inputs)
+
+
+def _tokens(model: str, shape: dict[str, object]) -> int | None:
+    """Tokens per micro-batch of a built-in model; None for a factory."""
+    builtin = builtin_shape(model, shape)
+    return None if builtin is None else builtin.batch * builtin.seq
+
+
+def planning_context(**options: object) -> PassContext:
+    """What ``storm schedule`` and ``storm pareto`` plan with: the storm ``options`` on top of
+    :data:`~storm_compile.config.CPU_PLANNING` (graphs are traced, never run), and the cost model
+    of their ``profile``, resolved by :func:`~storm_compile.calibrate.profile_for` as the backend
+    resolves it, except that ``auto`` without CUDA is the GPU it plans for,
+    :data:`~storm_compile.calibrate.GPU_PLANNING_PROFILE`. Raises :class:`StormOptionError` for a
+    bad option or profile."""
+    config = StormConfig.from_options(**{**CPU_PLANNING, "inner": "eager", **options})
+    return PassContext(config, CostModel(profile_for(config.profile,
+                                                     without_cuda=GPU_PLANNING_PROFILE)))
+
+
+def plan_model(model: str, ctx: PassContext, stream: bool = False,
+               **shape: object) -> StormGraphs:
+    """Trace ``model`` (``"gpt"`` or ``"llama"``, with the shape fields ``shape`` gives, or
+    ``path/to/file.py:factory``) forward and backward with fake tensors, and run storm's passes
+    on its one graph pair with ``ctx``; with ``stream``, its parameters are streamed from host
+    memory first (:func:`~storm_compile.streaming.stream_parameters`). Each pass run is in the
+    result's ``records``. Raises :class:`ModelSpecError` for a model that cannot be built or
+    traced."""
     captured: list[StormGraphs] = []
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model, inputs = _build(args, fake_mode)
+    module, inputs = _build(model, shape, fake_mode)
+    if stream:
+        with fake_mode:
+            stream_parameters(module, "cpu", host_check=False)
     with fake_mode:
-        aot_module_simplified(_TupleOutput(model), inputs, fw_compiler=boxed_nop,
+        aot_module_simplified(_TupleOutput(module, model), inputs, fw_compiler=boxed_nop,
                               bw_compiler=boxed_nop,
                               partition_fn=StormPartitioner(ctx, observer=captured.append))
     if not captured:
@@ -146,26 +338,37 @@ def _trace(args: argparse.Namespace, ctx: PassContext) -> StormGraphs:
     return captured[0]
 
 
-def _budget(text: str) -> float | str:
-    """A budget as typed on the command line: a bare number is a fraction, anything else (a size
-    with its unit, ``auto``) goes to the option parser as typed."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
+def _shape(args: argparse.Namespace) -> dict[str, object]:
+    """The gpt shape fields given on the command line."""
+    return {k: getattr(args, k) for k in (*_GPT_KNOBS, "preset") if getattr(args, k) is not None}
 
 
-def _context(args: argparse.Namespace, **options) -> PassContext:
-    options = {"inner": "eager", "transfer_cpu_tensors": True, **options}
-    for name in ("offload", "min_offload_bytes", "recompute", "max_overhead"):
+def _context(args: argparse.Namespace, **options: object) -> PassContext:
+    """:func:`planning_context` of the storm options given on the command line and ``options``."""
+    for name in ("profile", "offload", "min_offload_bytes", "recompute", "max_overhead"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
-    config = StormConfig.from_options(**options)
+    return planning_context(**options)
+
+
+def format_passes(records: Sequence[PassRecord]) -> str:
+    """One row per pass run, in the order they ran: its name, seconds and what it changed."""
+    return tabulate([(r.name, f"{r.seconds:.3f}", r.changed or "-") for r in records],
+                    headers=["pass", "seconds", "changed"], disable_numparse=True)
+
+
+def _check_folder(path: Path | None, option: str) -> None:
+    """Fail before tracing when ``path`` cannot be written: its folder must exist."""
+    if path is not None and not path.parent.is_dir():
+        raise UsageError(f"{option} {str(path)!r}: no such folder {str(path.parent)!r}")
+
+
+def _write(path: Path, text: str, option: str) -> None:
     try:
-        cost = CostModel(resolve_profile(args.profile))
-    except ValueError as error:
-        raise StormOptionError(str(error)) from error
-    return PassContext(config, cost)
+        path.write_text(text)
+    except OSError as error:
+        raise UsageError(f"{option} {str(path)!r}: cannot write: {error.strerror or error}") \
+            from error
 
 
 def _print(args: argparse.Namespace, document, as_table) -> None:
@@ -173,31 +376,90 @@ def _print(args: argparse.Namespace, document, as_table) -> None:
 
 
 def _schedule(args: argparse.Namespace) -> int:
-    budget = {} if args.memory_budget is None else {"memory_budget": _budget(args.memory_budget)}
+    _check_folder(args.trace, "--trace")
+    budget = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
     ctx = _context(args, **budget)
-    graphs = _trace(args, ctx)
-    annotated = annotate(graphs, ctx.cost)
+    graphs = plan_model(args.model, ctx, stream=args.stream, **_shape(args))
+    annotated = annotate(graphs, ctx.cost, tokens=_tokens(args.model, _shape(args)))
     prediction = annotated.pop("prediction")
     if args.trace is not None:
-        args.trace.write_text(json.dumps(chrome_trace(prediction)))
-    _print(args, annotated, format_table)
+        _write(args.trace, json.dumps(chrome_trace(prediction)), "--trace")
+    if args.timings:
+        annotated["passes"] = [dataclasses.asdict(r) for r in graphs.records]
+
+    def as_table(doc: dict[str, object]) -> str:
+        text = format_table(doc) if args.nodes else format_storages(doc, title=args.model)
+        if args.timings:
+            text += f"\n\n{format_passes(graphs.records)}"
+        return text
+
+    _print(args, annotated, as_table)
     return 0
 
 
+def _asked_bytes(budget: int | float | str, summary: dict[str, object]) -> int | None:
+    """Activation bytes a fraction or byte budget asks for (None for ``"auto"``)."""
+    if isinstance(budget, float):
+        return int(budget * summary["baseline_activation_bytes"])
+    return budget if isinstance(budget, int) else None
+
+
 def _pareto(args: argparse.Namespace) -> int:
-    budgets: list[float | str] = ([_budget(b) for b in args.budgets.split(",")] if args.budgets
-                                  else [*PARETO_FRACTIONS, None])
-    rows = []
-    for budget in budgets:
-        if budget is None:
-            budget = rows[0]["minimum_activation_bytes"]
-        ctx = _context(args, memory_budget=budget)
-        summary = annotate(_trace(args, ctx), ctx.cost)["summary"]
-        rows.append({"budget": budget, **summary})
+    _check_folder(args.plot, "--plot")
+    budgets = args.budgets.split(",") if args.budgets else list(PARETO_FRACTIONS)
+    contexts = [_context(args, memory_budget=budget) for budget in budgets]
+    rows, summaries, infeasible = [], [], None
+    for budget, ctx in zip(budgets, contexts):
+        try:
+            summaries.append(annotate(plan_model(args.model, ctx, **_shape(args)),
+                                      ctx.cost)["summary"])
+        except StormBudgetError as error:
+            summaries.append(None)
+            infeasible = error
+    planned = [s for s in summaries if s is not None]
+    if not planned:
+        raise infeasible
+    minimum = planned[0]["minimum_activation_bytes"]
+    for budget, ctx, summary in zip(budgets, contexts, summaries):
+        asked = _asked_bytes(ctx.config.memory_budget, summary or planned[0])
+        if summary is None or (asked is not None and asked < minimum):
+            print(f"storm: note: budget {budget} ({asked} bytes) skipped: below the minimum of "
+                  f"{minimum} bytes for this model", file=sys.stderr)
+        else:
+            rows.append(summary)
+    if not args.budgets and all(r["budget_bytes"] != minimum for r in rows):
+        ctx = _context(args, memory_budget=f"{minimum}B")
+        rows.append(annotate(plan_model(args.model, ctx, **_shape(args)), ctx.cost)["summary"])
+    if not rows:
+        raise UsageError(f"--budgets {args.budgets}: every budget is below the minimum of "
+                         f"{minimum} bytes for this model")
     points = pareto_points(rows)
     if args.plot is not None:
-        args.plot.write_text(pareto_svg(points, title=args.model))
+        _write(args.plot, pareto_svg(points, title=args.model), "--plot")
     _print(args, points, format_pareto)
+    return 0
+
+
+def _throughput(args: argparse.Namespace) -> int:
+    shape = _shape(args)
+    base = builtin_shape(args.model, shape)
+    if base is None:
+        raise UsageError("throughput needs a built-in model (gpt or llama): it sets the batch "
+                         "from the tokens per micro-batch")
+    counts = [int(t) for t in args.tokens.split(",") if t.strip().isdigit()]
+    if not counts or len(counts) != len(args.tokens.split(",")) or min(counts) < base.seq \
+            or any(t % base.seq for t in counts):
+        raise UsageError(f"--tokens {args.tokens}: expected comma-separated multiples of the "
+                         f"sequence length {base.seq}")
+    budget = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
+    ctx = _context(args, **budget)
+    rows = []
+    for tokens in counts:
+        graphs = plan_model(args.model, ctx, stream=args.stream,
+                            **{**shape, "batch": tokens // base.seq})
+        summary = annotate(graphs, ctx.cost, tokens=tokens)["summary"]
+        rows.append({k: summary[k] for k in THROUGHPUT_FIELDS})
+    _print(args, rows, format_throughput)
     return 0
 
 
@@ -215,10 +477,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    commands = {"schedule": _schedule, "pareto": _pareto, "calibrate": _calibrate}
+    commands = {"schedule": _schedule, "pareto": _pareto, "throughput": _throughput,
+                "calibrate": _calibrate}
     try:
         return commands[args.command](args)
-    except (ModelSpecError, StormOptionError, StormBudgetError) as error:
+    except (ModelSpecError, StormOptionError, StormBudgetError, UsageError) as error:
         print(f"storm: error: {error}", file=sys.stderr)
         return EXIT_USAGE
 

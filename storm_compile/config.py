@@ -7,12 +7,12 @@ globals or environment variables.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any, Literal, get_args
 
-MIB = 1 << 20
-GIB = 1 << 30
+from storm_compile.vocabulary import GIB, KIB, MIB, TIB
 
 DEFAULT_MIN_OFFLOAD_BYTES = 1 * MIB
 """Smaller activations stay on the GPU. A copy pays about 25 µs of fixed latency on the H100
@@ -48,7 +48,17 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 """Named option sets the backend offers; the benchmark harness measures each one."""
 
-_SIZE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": MIB, "gib": GIB, "tib": 1 << 40,
+CPU_PLANNING: dict[str, object] = {"transfer_cpu_tensors": True}
+"""Options that run storm's whole pipeline on CPU tensors: saved storages are planned and the
+transfers placed, inserted and verified as for a GPU (the ops become plain copies). The CLI
+(tracing on the CPU to plan for a GPU), the tests and the benchmarks' CPU runs all start from it
+and add, on top, what only they need (such as ``min_offload_bytes=0`` for tiny models)."""
+
+DEFAULT_PROFILE = "auto"
+"""Device profile of the backend and of the CLI alike, resolved by
+:func:`storm_compile.calibrate.profile_for`."""
+
+_SIZE_UNITS = {"": 1, "b": 1, "kib": KIB, "mib": MIB, "gib": GIB, "tib": TIB,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -57,32 +67,60 @@ class StormOptionError(ValueError):
     """An option given to ``storm(...)`` is unknown, of the wrong type or out of range."""
 
 
-BUDGET_FORMS = ("an int of bytes", "a size string such as '12GiB' or '512 MB'",
-                "a fraction in (0, 1] of the activation memory without storm, such as 0.5",
-                "'auto'")
+BUDGET_FORMS = (
+    "None (no budget)",
+    "'auto'",
+    "a number without a unit (0.5, 1, '0.5', '1'): a fraction in (0, 1] of the activation "
+    "memory without storm, 1 meaning all of it",
+    "a size with its unit ('12GiB', '512 MB', '0B'): bytes",
+    "a Python int greater than 1: bytes (a string needs a unit)",
+)
+
+
+def _budget_error(value: object, problem: str) -> StormOptionError:
+    return StormOptionError(f"storm option 'memory_budget': cannot use {value!r}: {problem}. "
+                            f"Accepted forms: {'; '.join(BUDGET_FORMS)}")
+
+
+def _fraction(number: float, value: object) -> float:
+    """``number``, read from ``value`` without a unit, as a fraction in (0, 1]."""
+    if not math.isfinite(number):
+        raise _budget_error(value, "not a finite number")
+    if not 0.0 < number <= 1.0:
+        raise _budget_error(value, "a number without a unit is a fraction, which must be in "
+                                  "(0, 1]")
+    return float(number)
 
 
 def parse_budget(value: object) -> int | float | str | None:
-    """Read ``memory_budget``: None, bytes (int or size string), a fraction, or ``"auto"``."""
+    """Read ``memory_budget`` as :data:`BUDGET_FORMS` lists them. Returns None, ``"auto"``, a
+    float fraction in (0, 1], or an int of bytes; the CLI passes ``--memory-budget`` as typed,
+    so a string means the same in Python and on the command line."""
     if value is None or value == "auto":
         return value
+    if isinstance(value, bool):
+        raise _budget_error(value, "a bool is not a budget")
+    if isinstance(value, int):
+        return value if value > 1 else _fraction(value, value)
     if isinstance(value, float):
-        if not 0.0 < value <= 1.0:
-            raise StormOptionError(f"storm option 'memory_budget': a fraction must be in (0, 1], "
-                                   f"got {value}; accepted forms: {'; '.join(BUDGET_FORMS)}")
-        return value
-    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        return _fraction(value, value)
+    if not isinstance(value, str):
+        raise _budget_error(value, f"a {type(value).__name__} is not a budget")
+    match = _SIZE_RE.match(value)
+    if match and match.group(2):
         try:
-            nbytes = parse_bytes(value, "memory_budget")
+            return parse_bytes(value, "memory_budget")
         except StormOptionError:
-            raise StormOptionError(f"storm option 'memory_budget': cannot read {value!r}; "
-                                   f"accepted forms: {'; '.join(BUDGET_FORMS)}; size units: "
-                                   f"{', '.join(u for u in _SIZE_UNITS if u)}") from None
-        if nbytes < 0:
-            raise StormOptionError(f"storm option 'memory_budget': must be >= 0, got {nbytes}")
-        return nbytes
-    raise StormOptionError(f"storm option 'memory_budget': got {type(value).__name__} "
-                           f"{value!r}; accepted forms: {'; '.join(BUDGET_FORMS)}")
+            raise _budget_error(value, f"unknown size unit {match.group(2)!r} (size units: "
+                                       f"{', '.join(u for u in _SIZE_UNITS if u)})") from None
+    try:
+        number = float(value)
+    except ValueError:
+        raise _budget_error(value, "not a number, a size or 'auto'") from None
+    if number > 1 and math.isfinite(number):
+        raise _budget_error(value, "a number without a unit is a fraction in (0, 1]: give bytes "
+                                   "with a unit, such as '2048B' or '12GiB'")
+    return _fraction(number, value)
 
 
 def parse_bytes(value: int | str, option: str) -> int:
@@ -106,6 +144,24 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+LOCAL_RANKS_ENV = "LOCAL_WORLD_SIZE"
+"""Processes on this machine, as ``torchrun`` sets it for each of them."""
+
+
+def local_ranks() -> int:
+    """How many processes of the job share this machine's RAM: ``LOCAL_WORLD_SIZE`` under
+    torchrun, else 1. Raises :class:`StormOptionError` when the variable is set but is not a
+    positive integer."""
+    text = os.environ.get(LOCAL_RANKS_ENV)
+    if text is None:
+        return 1
+    if not text.strip().isdigit() or int(text) < 1:
+        raise StormOptionError(f"storm option 'host_memory_limit': its default shares the host "
+                               f"among {LOCAL_RANKS_ENV} processes, which is {text!r}, not a "
+                               f"positive integer; set host_memory_limit explicitly")
+    return int(text)
+
+
 @dataclasses.dataclass(frozen=True)
 class StormConfig:
     """Options of the storm backend. Build it with :meth:`from_options` to validate user input."""
@@ -124,10 +180,14 @@ class StormConfig:
 
     memory_budget: int | float | str | None = None
     """Cap on activation memory (device memory held for the backward at the end of the forward,
-    per compiled graph): bytes (``"12GiB"`` accepted), a fraction in (0, 1] of the activation
-    memory without storm, or ``"auto"`` (the most memory saved at a predicted step-time overhead
-    within ``max_overhead``). The planner keeps, offloads or recomputes each saved activation to
-    meet it at the least predicted step time. None: no cap, offload what hides."""
+    per compiled graph). A number without a unit is a fraction in (0, 1] of the activation memory
+    without storm: ``0.5`` and ``"0.5"`` are half, ``1``, ``1.0`` and ``"1"`` all of it. A string
+    with a unit (``"12GiB"``, ``"512 MB"``) is bytes, and so is a Python int greater than 1
+    (``12 * 2**30``); a unitless string greater than 1 (``"2048"``) is rejected, so a string
+    reads the same here and on the command line. ``"auto"``: the most memory saved at a predicted
+    step-time overhead within ``max_overhead``. The planner keeps, offloads or recomputes each
+    saved activation to meet it at the least predicted step time. None: no cap, offload what
+    hides. Bools, 0, negatives, NaN and infinities are rejected."""
 
     max_overhead: float = DEFAULT_MAX_OVERHEAD
     """Predicted step-time overhead ``memory_budget="auto"`` may spend, as a fraction."""
@@ -136,7 +196,7 @@ class StormConfig:
     """Let the planner rebuild activations in the backward (through the partitioner's recompute
     tags) where that is predicted cheaper than a copy that cannot hide. False: offloads only."""
 
-    profile: str = "auto"
+    profile: str = DEFAULT_PROFILE
     """Device profile for the cost model: a built-in name (``h100``, ``h200``, ``a100-pcie``,
     ``rtx4090``, ``cpu-test``), a path to a profile JSON (``storm calibrate`` writes one), or
     ``"auto"``: a calibration of the present GPU, measured once and cached on disk
@@ -147,12 +207,14 @@ class StormConfig:
     non-fusible op (matmuls, attention) once on the GPU at compile time; needs CUDA."""
 
     prefetch_window_bytes: int = DEFAULT_PREFETCH_WINDOW_BYTES
-    """Device memory that prefetched, not yet used tensors may hold (strings like "2GiB")."""
+    """Device memory that prefetched, not yet used tensors (activations and streamed weights) may
+    hold (strings like "2GiB")."""
 
     host_memory_limit: int = 0
     """Cap on pinned host memory held by the pool, in bytes (strings like ``"64GiB"`` accepted).
-    0 means half of physical RAM. An offload that would pass the cap keeps its tensor on the GPU
-    and warns once."""
+    0 means half of physical RAM, shared equally among the processes on the machine
+    (``LOCAL_WORLD_SIZE`` under torchrun). An offload that would pass the cap keeps its tensor on
+    the GPU and warns once."""
 
     transfer_cpu_tensors: bool = False
     """Also plan and insert transfers for activations of CPU models, where the ops become plain
@@ -175,8 +237,8 @@ class StormConfig:
         config = cls(**options)
         config._validate()
         if config.host_memory_limit == 0:
-            config = dataclasses.replace(
-                config, host_memory_limit=int(physical_memory_bytes() * HOST_MEMORY_FRACTION))
+            config = dataclasses.replace(config, host_memory_limit=int(
+                physical_memory_bytes() * HOST_MEMORY_FRACTION / local_ranks()))
         return config
 
     def _validate(self) -> None:
@@ -197,9 +259,9 @@ class StormConfig:
             if value < 0:
                 raise StormOptionError(f"storm option {name!r}: must be >= 0, got {value}")
         if isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float)) \
-                or self.max_overhead < 0:
-            raise StormOptionError(f"storm option 'max_overhead': expected a fraction >= 0, "
-                                   f"got {self.max_overhead!r}")
+                or not 0 <= self.max_overhead < math.inf:
+            raise StormOptionError(f"storm option 'max_overhead': expected a finite fraction >= 0 "
+                                   f"(0.02 is 2 %), got {self.max_overhead!r}")
         if self.memory_budget is not None and self.offload == "all":
             raise StormOptionError("storm options 'memory_budget' and offload='all' conflict: "
                                    "'all' moves every activation off the device; give one")

@@ -1,4 +1,4 @@
-"""The four typed transfer ops that storm inserts into graphs, under the ``storm`` namespace.
+"""The typed transfer ops that storm inserts into graphs, under the ``storm`` namespace.
 
 Passes find them by ``node.target`` (the ``*.default`` overloads below), never by name.
 
@@ -19,6 +19,21 @@ Backward, per prefetched activation ``h`` (a graph input)::
 
 On CPU tensors offload and prefetch are plain copies and the event ops do nothing, so graphs
 carrying them run, and are tested, without a GPU.
+
+A streamed parameter (:mod:`storm_compile.streaming`) lives in host memory and is read through
+``storm.fetch_weight(w, device)``, a copy to the device whose gradient is
+``storm.grad_to_host(grad, host)``, a copy back to the parameter's device. Both are ordinary
+copies on the current stream, so a streamed model is correct in eager mode and under any
+backend. In a storm graph, fetches become prefetches (above), and each gradient's copy home is
+sent on the D2H stream as soon as the gradient is produced::
+
+    h  = storm.send_grad(g, host_limit) # D2H stream waits on compute, copies g into a pinned buffer
+    h1 = storm.record_event(h)
+    ...compute...
+    h2 = storm.wait_event(h1, g)        # compute stream waits; g's last use, its memory is freed
+    ...compute...
+    h3 = storm.wait_host(h2)            # the host waits for the copy: h3 leaves the graph, and
+                                        # the autograd engine accumulates it on the host next
 
 NOTE: the GPU memory of an offloaded tensor is released by ordinary reference counting (the
 wait is the tensor's last use, after which Inductor and FX drop it), not by ``record_stream``
@@ -42,19 +57,27 @@ _lib.define("wait_event(Tensor(a) x, Tensor? keepalive=None) -> Tensor(a)")
 _COMPOSITE = "CompositeExplicitAutograd"
 
 
-@torch.library.impl(_lib, "offload", _COMPOSITE)
-def _offload(x: torch.Tensor, host_limit: int) -> torch.Tensor:
-    if x.device.type != "cuda":
-        return x.clone()
+def _copy_to_pool(x: torch.Tensor, host_limit: int, strides: tuple[int, ...],
+                  host_reads: bool) -> torch.Tensor | None:
+    """Launch the copy of CUDA tensor ``x`` on the D2H stream into a pooled pinned buffer,
+    viewed with ``strides``; None (after warning once) when the pool cannot give one."""
     runtime = get_runtime()
     nbytes = x.numel() * x.element_size()
     buffer = runtime.pool.acquire(nbytes, host_limit)
     if buffer is None:
         runtime.warn_pinning_failed(nbytes, host_limit)
-        return x.clone()
-    host = buffer.view(x.dtype).as_strided(x.shape, x.stride())
-    runtime.launch_copy(host, x, runtime.d2h_stream(x.device), x.device)
+        return None
+    host = buffer[:nbytes].view(x.dtype).as_strided(x.shape, strides)
+    runtime.launch_copy(host, x, runtime.d2h_stream(x.device), x.device, host_reads=host_reads)
     return host
+
+
+@torch.library.impl(_lib, "offload", _COMPOSITE)
+def _offload(x: torch.Tensor, host_limit: int) -> torch.Tensor:
+    if x.device.type != "cuda":
+        return x.clone()
+    host = _copy_to_pool(x, host_limit, x.stride(), host_reads=False)
+    return x.clone() if host is None else host
 
 
 @torch.library.register_fake("storm::offload")
@@ -99,11 +122,78 @@ def _wait_event_fake(x: torch.Tensor, keepalive: torch.Tensor | None = None) -> 
     return x
 
 
+_lib.define("fetch_weight(Tensor w, Device device) -> Tensor")
+_lib.define("grad_to_host(Tensor grad, Device host) -> Tensor")
+_lib.define("send_grad(Tensor grad, int host_limit) -> Tensor")
+_lib.define("wait_host(Tensor(a) x) -> Tensor(a)")
+
+
+@torch.library.impl(_lib, "fetch_weight", _COMPOSITE)
+def _fetch_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return w.to(device, non_blocking=w.is_pinned(), copy=True)
+
+
+@torch.library.register_fake("storm::fetch_weight")
+def _fetch_weight_fake(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=device)
+
+
+@torch.library.impl(_lib, "grad_to_host", _COMPOSITE)
+def _grad_to_host(grad: torch.Tensor, host: torch.device) -> torch.Tensor:
+    return grad.to(host, copy=True)
+
+
+@torch.library.register_fake("storm::grad_to_host")
+def _grad_to_host_fake(grad: torch.Tensor, host: torch.device) -> torch.Tensor:
+    return torch.empty_strided(grad.shape, grad.stride(), dtype=grad.dtype, device=host)
+
+
+@torch.library.impl(_lib, "send_grad", _COMPOSITE)
+def _send_grad(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
+    if grad.device.type != "cuda":
+        return grad.clone(memory_format=torch.contiguous_format)
+    contiguous = torch.empty(grad.shape, device="meta").stride()
+    host = _copy_to_pool(grad, host_limit, contiguous, host_reads=True)
+    return grad.to("cpu") if host is None else host
+
+
+@torch.library.register_fake("storm::send_grad")
+def _send_grad_fake(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
+    return torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
+
+
+@torch.library.impl(_lib, "wait_host", _COMPOSITE)
+def _wait_host(x: torch.Tensor) -> torch.Tensor:
+    get_runtime().wait_host(x)
+    return x
+
+
+@torch.library.register_fake("storm::wait_host")
+def _wait_host_fake(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _fetch_weight_context(ctx, inputs, output) -> None:
+    ctx.host = inputs[0].device
+
+
+def _fetch_weight_backward(ctx, grad: torch.Tensor):
+    return torch.ops.storm.grad_to_host(grad, ctx.host), None
+
+
+torch.library.register_autograd("storm::fetch_weight", _fetch_weight_backward,
+                                setup_context=_fetch_weight_context)
+
 offload = torch.ops.storm.offload.default
 prefetch = torch.ops.storm.prefetch.default
 record_event = torch.ops.storm.record_event.default
 wait_event = torch.ops.storm.wait_event.default
 
-TRANSFER_OPS = (offload, prefetch, record_event, wait_event)
+fetch_weight = torch.ops.storm.fetch_weight.default
+grad_to_host = torch.ops.storm.grad_to_host.default
+send_grad = torch.ops.storm.send_grad.default
+wait_host = torch.ops.storm.wait_host.default
+
+TRANSFER_OPS = (offload, prefetch, record_event, wait_event, send_grad, wait_host)
 for _op in TRANSFER_OPS:
     has_side_effect(_op)

@@ -7,23 +7,29 @@ them, in :func:`storm_partition`, which AOTAutograd calls with the joint graph.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable
 
 from torch import fx
 
-from storm_compile.graphs import DECISION_KEY, JointGraph, PassContext, StormGraphs, saved_values
+from storm_compile.graphs import JointGraph, PassContext, PassRecord, StormGraphs
 from storm_compile.passes import (
     annotate_costs,
     insert_transfers,
+    place_transfers,
     plan_memory,
     plan_offload,
     rematerialize,
-    schedule_transfers,
     verify_graphs,
 )
+from storm_compile.passes.rematerialize import RecomputeRejectedError
 from storm_compile.passes.verify import StormVerificationError
+from storm_compile.plan import Action
+from storm_compile.streaming import refetch_in_backward, sum_gradients_on_device
 
 log = logging.getLogger("storm_compile")
 
@@ -36,18 +42,47 @@ PLAN: tuple[Pass, ...] = (
 )
 
 
+def _size(graphs: StormGraphs) -> tuple[int, int]:
+    return len(graphs.forward.graph.nodes), len(graphs.backward.graph.nodes)
+
+
+def _plan_summary(graphs: StormGraphs) -> str:
+    if graphs.storages is None:
+        return ""
+    actions = collections.Counter(d.action.value for _, d in graphs.storages)
+    placed = sum(d.placement is not None for _, d in graphs.storages)
+    counts = [f"{action} {count}" for action, count in sorted(actions.items())]
+    return ", ".join(counts + ([f"placed {placed}"] if placed else []))
+
+
+def _changes(before: StormGraphs, after: StormGraphs, sizes: tuple[int, int]) -> str:
+    """What a pass changed, in a few words: a new split, nodes added to either graph, the
+    storage plan's decisions."""
+    if after.forward is not before.forward:
+        return "split again"
+    changes = [f"{graph} {now - then:+d} nodes"
+               for graph, then, now in zip(("forward", "backward"), sizes, _size(after))
+               if now != then]
+    plan = _plan_summary(after)
+    if plan != _plan_summary(before):
+        changes.append(f"plan: {plan}")
+    return "; ".join(changes)
+
+
 def _run(storm_pass: Pass, graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    """Run one pass and verify the graphs it leaves; a failure names the pass. Logs its time
-    at DEBUG level (``benchmarks/planning_time.py`` reads it)."""
-    start = time.perf_counter()
-    graphs = storm_pass(graphs, ctx)
-    log.debug("storm: pass %s took %.3f s", storm_pass.__name__, time.perf_counter() - start)
+    """Run one pass, verify the graphs it leaves (a failure names the pass) and append its
+    :class:`PassRecord` to them."""
+    start, sizes = time.perf_counter(), _size(graphs)
+    after = storm_pass(graphs, ctx)
+    seconds = time.perf_counter() - start
+    log.debug("storm: pass %s took %.3f s", storm_pass.__name__, seconds)
     try:
-        verify_graphs(graphs)
+        verify_graphs(after)
     except Exception as error:
         raise StormVerificationError(
             f"storm pass {storm_pass.__name__!r} left invalid graphs: {error}") from error
-    return graphs
+    record = PassRecord(storm_pass.__name__, seconds, _changes(graphs, after, sizes))
+    return dataclasses.replace(after, records=(*graphs.records, record))
 
 
 def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
@@ -56,16 +91,21 @@ def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     for storm_pass in PLAN:
         graphs = _run(storm_pass, graphs, ctx)
     if first_split and graphs.plan.recompute:
-        graphs = _run(rematerialize, graphs, ctx)    # split again with recompute tags
+        try:
+            graphs = _run(rematerialize, graphs, ctx)    # split again with recompute tags
+        except RecomputeRejectedError as error:
+            warnings.warn(f"storm: the partitioner could not recompute what storm planned "
+                          f"({error}); this graph uses storm's best plan without "
+                          f"recomputation instead", RuntimeWarning, stacklevel=2)
+            ctx = dataclasses.replace(
+                ctx, config=dataclasses.replace(ctx.config, recompute=False))
+            graphs = dataclasses.replace(graphs, plan=None)
         for storm_pass in PLAN:                      # offloads of the new split, same target
             graphs = _run(storm_pass, graphs, ctx)
-    graphs = _run(schedule_transfers, graphs, ctx)   # where each copy and wait goes
+    graphs = _run(place_transfers, graphs, ctx)      # where each copy and wait goes
     graphs = _run(insert_transfers, graphs, ctx)     # rewrite both graphs from the decisions
-    moved = [n for n in saved_values(graphs)
-             if n.meta.get(DECISION_KEY) and n.meta[DECISION_KEY].action == "offload"]
-    if not moved and not graphs.plan.recompute:
-        reasons = sorted({n.meta[DECISION_KEY].reason for n in saved_values(graphs)
-                          if DECISION_KEY in n.meta})
+    if not graphs.storages.with_action(Action.OFFLOAD) and not graphs.plan.recompute:
+        reasons = sorted({d.reason for _, d in graphs.storages})
         log.debug("storm: nothing to offload or recompute (%s); graphs run unchanged",
                   "; ".join(reasons) or "nothing is saved for the backward")
     return graphs
@@ -74,13 +114,20 @@ def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
 def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
                     observer: Callable[[StormGraphs], None] | None = None,
                     **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
-    # 1. capture: AOTAutograd traced the joint graph; split it the way torch.compile does.
+    ctx = dataclasses.replace(ctx, graph=ctx.step.next_graph())
+    # 1. capture: AOTAutograd traced the joint graph; split it the way torch.compile does,
+    #    with streamed weights fetched again in the backward instead of saved, and a tied
+    #    weight's gradients summed on the device.
+    refetch_in_backward(joint)
+    sum_gradients_on_device(joint)
     joint_graph = JointGraph(joint, joint_inputs, partition_kwargs)
     start = time.perf_counter()
     forward, backward = joint_graph.split()
-    log.debug("storm: pass split took %.3f s", time.perf_counter() - start)
-    graphs = StormGraphs(forward, backward, partition_kwargs["num_fwd_outputs"], joint=joint_graph)
-    # 2-5. annotate costs, plan, (re-split to recompute), schedule, insert transfers; verified.
+    split = PassRecord("split", time.perf_counter() - start, "split")
+    log.debug("storm: pass split took %.3f s", split.seconds)
+    graphs = StormGraphs(forward, backward, partition_kwargs["num_fwd_outputs"], joint=joint_graph,
+                         records=(split,))
+    # 2-5. annotate costs, plan, (re-split to recompute), place, insert transfers; verified.
     graphs = run_passes(graphs, ctx)
     if observer is not None:
         observer(graphs)

@@ -20,8 +20,20 @@ def _storage_use_count(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
+BUCKETS_PER_DOUBLING = 8
+"""Pinned buffers come in sizes rounded up to one of this many steps per power of two, so
+tensors whose sizes vary from step to step (variable sequence lengths) reuse buffers instead
+of pinning new ones; a buffer is at most 1/8 (12.5 %) larger than the tensor it holds."""
+
+
+def bucket_bytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to its pool bucket."""
+    step = 1 << max(0, (nbytes - 1).bit_length() - BUCKETS_PER_DOUBLING.bit_length())
+    return -(-nbytes // step) * step
+
+
 class PinnedPool:
-    """Pinned host buffers reused across steps, bucketed by exact byte size.
+    """Pinned host buffers reused across steps, bucketed by size (:func:`bucket_bytes`).
 
     Pinning is slow (143 ms for 256 MiB on the H100), so a buffer is pinned once and handed out
     again in later steps. A buffer is free again once no tensor other than the pool's own
@@ -29,6 +41,9 @@ class PinnedPool:
     was freed without a backward. Reuse is safe for the device: a new copy into a reused buffer
     is issued on a stream that first waits on the compute stream, and the compute stream has
     already waited on the event of the last copy that read or wrote the buffer.
+
+    The pool never holds more than the limit it is asked with: when a new buffer would pass it,
+    idle buffers of other sizes (left by sizes no longer seen) are released first.
     """
 
     def __init__(self) -> None:
@@ -36,23 +51,41 @@ class PinnedPool:
         self.reserved_bytes = 0
 
     def acquire(self, nbytes: int, limit: int) -> torch.Tensor | None:
-        """A pinned uint8 buffer of ``nbytes`` not used by anyone, or None past ``limit``."""
-        for buffer, idle_count in self._buffers.get(nbytes, ()):
+        """A pinned uint8 buffer of at least ``nbytes`` not used by anyone, or None when one
+        cannot be had within ``limit``."""
+        size = bucket_bytes(nbytes)
+        for buffer, idle_count in self._buffers.get(size, ()):
             if _storage_use_count(buffer) == idle_count:
                 return buffer
-        if self.reserved_bytes + nbytes > limit:
+        if self.reserved_bytes + size > limit:
+            self._release_idle(self.reserved_bytes + size - limit)
+        if self.reserved_bytes + size > limit:
             return None
         try:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as error:
-            log.debug("pinning %d bytes failed: %s", nbytes, error)
+            log.debug("pinning %d bytes failed: %s", size, error)
             return None
-        self._buffers.setdefault(nbytes, []).append((buffer, _storage_use_count(buffer)))
-        self.reserved_bytes += nbytes
+        self._buffers.setdefault(size, []).append((buffer, _storage_use_count(buffer)))
+        self.reserved_bytes += size
         return buffer
 
+    def _release_idle(self, needed: int) -> None:
+        """Drop idle buffers, largest first, until ``needed`` bytes are released or none is
+        left idle."""
+        idle = sorted(((size, entry) for size, entries in self._buffers.items()
+                       for entry in entries if _storage_use_count(entry[0]) == entry[1]),
+                      key=lambda item: -item[0])
+        for size, entry in idle:
+            if needed <= 0:
+                break
+            self._buffers[size].remove(entry)
+            self.reserved_bytes -= size
+            needed -= size
+        self._buffers = {size: entries for size, entries in self._buffers.items() if entries}
+
     def in_use_bytes(self) -> int:
-        return sum(nbytes for nbytes, entries in self._buffers.items()
+        return sum(size for size, entries in self._buffers.items()
                    for buffer, idle in entries if _storage_use_count(buffer) != idle)
 
     def clear(self) -> None:
@@ -69,8 +102,9 @@ class TransferRuntime:
         self.pool = PinnedPool()
         self._d2h: dict[torch.device, torch.cuda.Stream] = {}
         self._h2d: dict[torch.device, torch.cuda.Stream] = {}
-        self._launched: dict[int, tuple[torch.cuda.Stream, torch.device]] = {}
+        self._launched: dict[int, tuple[torch.cuda.Stream, torch.device, bool]] = {}
         self._events: dict[int, tuple[torch.cuda.Event, torch.device]] = {}
+        self._host_events: dict[int, torch.cuda.Event] = {}
         self._warned_pinning = False
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -84,22 +118,25 @@ class TransferRuntime:
         return self._h2d[device]
 
     def launch_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
-                    device: torch.device) -> None:
-        """Copy ``src`` into ``dst`` on ``stream``, after all the compute stream has queued."""
+                    device: torch.device, host_reads: bool = False) -> None:
+        """Copy ``src`` into ``dst`` on ``stream``, after all the compute stream has queued;
+        ``host_reads``: the host will also wait for it (:meth:`wait_host`)."""
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-        self._launched[dst.data_ptr()] = (stream, device)
+        self._launched[dst.data_ptr()] = (stream, device, host_reads)
 
     def record(self, tensor: torch.Tensor) -> None:
         """Record the completion event of the copy that produced ``tensor``, if one is pending."""
         launched = self._launched.pop(tensor.data_ptr(), None)
         if launched is None:
             return
-        stream, device = launched
+        stream, device, host_reads = launched
         event = torch.cuda.Event()
         event.record(stream)
         self._events[tensor.data_ptr()] = (event, device)
+        if host_reads:
+            self._host_events[tensor.data_ptr()] = event
 
     def wait(self, tensor: torch.Tensor) -> None:
         """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""
@@ -108,13 +145,21 @@ class TransferRuntime:
             event, device = pending
             torch.cuda.current_stream(device).wait_event(event)
 
+    def wait_host(self, tensor: torch.Tensor) -> None:
+        """Block the host until the copy that produced ``tensor`` (launched with
+        ``host_reads``) is done."""
+        event = self._host_events.pop(tensor.data_ptr(), None)
+        if event is not None:
+            event.synchronize()
+
     def warn_pinning_failed(self, nbytes: int, limit: int) -> None:
         if not self._warned_pinning:
             self._warned_pinning = True
             warnings.warn(
                 f"storm: could not pin {nbytes} more bytes of host memory (pool holds "
                 f"{self.pool.reserved_bytes} of a {limit}-byte limit); activations that do not "
-                f"fit stay on the GPU. Raise host_memory_limit or free host memory.",
+                f"fit stay on the GPU and gradients that do not go home synchronously. Raise "
+                f"host_memory_limit or free host memory.",
                 RuntimeWarning, stacklevel=2)
 
 

@@ -15,56 +15,42 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import operator
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
 from storm_compile import ops
 from storm_compile.cost_model import CostModel, materialized
-from storm_compile.graphs import StormGraphs, alias_root, is_view, output_node, saved_values
-
-COMPUTE, D2H, H2D = "compute", "d2h", "h2d"
+from storm_compile.graphs import StormGraphs, output_node, saved_values
+from storm_compile.prediction import CopyTiming, NodeTiming, Prediction
+from storm_compile.vocabulary import (
+    COPY_LANES,
+    Lane,
+    is_compute,
+    node_order,
+    storage_owner,
+    tensor_bytes,
+)
 
 TRANSFER_DIRECTIONS = 2
 """A profile's ``transfer_host_s`` covers both directions; each half delays the compute lane
 when its copy is issued (the host is busy with the ops instead of launching kernels)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class NodeTiming:
-    graph: str
-    node: str
-    lane: str
-    start_s: float
-    end_s: float
-    memory_after: int
-    """Device bytes live after the node, above forward inputs (weights and inputs)."""
+COPY_DONE_S = 1e-15
+"""Latency left below which a copy's latency counts as paid (float round-off of the steps)."""
+COPY_DONE_BYTES = 1e-6
+"""Bytes left below which a copy counts as moved (float round-off of the steps)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class CopyTiming:
-    graph: str
-    node: str
-    lane: str
-    start_s: float
-    end_s: float
-    nbytes: int
+@dataclasses.dataclass
+class _Copy:
+    """One queued copy: its latency, then its bytes, counted down as the link advances."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Prediction:
-    step_s: float
-    forward_s: float
-    exposed_transfer_s: float
-    """Time the compute lane spent waiting on copies."""
-    activation_bytes: int
-    """Device bytes held at the end of the forward, above weights and inputs."""
-    peak_bytes: int
-    offloaded_bytes: int
-    timings: tuple[NodeTiming, ...]
-    copies: tuple[CopyTiming, ...]
+    node: fx.Node
+    ready_s: float
+    latency_left_s: float
+    bytes_left: float
 
 
 class _Link:
@@ -74,13 +60,14 @@ class _Link:
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
         self.time = 0.0
-        self.queues: dict[str, collections.deque] = {D2H: collections.deque(),
-                                                      H2D: collections.deque()}
+        self.queues: dict[Lane, collections.deque[_Copy]] = {Lane.D2H: collections.deque(),
+                                                             Lane.H2D: collections.deque()}
         self.started: dict[fx.Node, float] = {}
         self.done: dict[fx.Node, float] = {}
 
-    def enqueue(self, copy: fx.Node, lane: str, nbytes: int, ready: float) -> None:
-        self.queues[lane].append([copy, ready, self.cost.profile.copy_latency_s, float(nbytes)])
+    def enqueue(self, copy: fx.Node, lane: Lane, nbytes: int, ready: float) -> None:
+        self.queues[lane].append(_Copy(copy, ready, self.cost.profile.copy_latency_s,
+                                       float(nbytes)))
 
     def finish_time(self, copy: fx.Node) -> float:
         while copy not in self.done:
@@ -89,35 +76,34 @@ class _Link:
 
     def _advance(self) -> None:
         heads = {lane: q[0] for lane, q in self.queues.items() if q}
-        active = {lane: h for lane, h in heads.items() if h[1] <= self.time}
+        active = {lane: h for lane, h in heads.items() if h.ready_s <= self.time}
         if not active:
-            self.time = min(h[1] for h in heads.values())
+            self.time = min(h.ready_s for h in heads.values())
             return
-        moving = [lane for lane, h in active.items() if h[2] <= 0]
+        moving = [lane for lane, h in active.items() if h.latency_left_s <= 0]
         shared = len(moving) == 2
         steps = []
         for lane, head in active.items():
-            self.started.setdefault(head[0], self.time)
-            if head[2] > 0:
-                steps.append(head[2])
+            self.started.setdefault(head.node, self.time)
+            if head.latency_left_s > 0:
+                steps.append(head.latency_left_s)
             else:
-                steps.append(head[3] / self.cost.bandwidth(lane, shared))
-        steps += [h[1] - self.time for lane, h in heads.items() if lane not in active]
+                steps.append(head.bytes_left / self.cost.bandwidth(lane, shared))
+        steps += [h.ready_s - self.time for lane, h in heads.items() if lane not in active]
         dt = min(steps)
         self.time += dt
         for lane, head in active.items():
-            if head[2] > 0:
-                head[2] -= dt
+            if head.latency_left_s > 0:
+                head.latency_left_s -= dt
             else:
-                head[3] -= dt * self.cost.bandwidth(lane, shared)
-            if head[2] <= 1e-15 and head[3] <= 1e-6:
-                self.done[head[0]] = self.time
+                head.bytes_left -= dt * self.cost.bandwidth(lane, shared)
+            if head.latency_left_s <= COPY_DONE_S and head.bytes_left <= COPY_DONE_BYTES:
+                self.done[head.node] = self.time
                 self.queues[lane].popleft()
 
 
 def _storage_bytes(node: fx.Node) -> int:
-    return sum(v.numel() * v.element_size() for v in tree_leaves(node.meta.get("val"))
-               if isinstance(v, torch.Tensor))
+    return tensor_bytes(node.meta.get("val"))
 
 
 class _Memory:
@@ -144,15 +130,9 @@ class _Memory:
 
     def owner(self, node: fx.Node) -> fx.Node | None:
         """The node whose allocation ``node``'s value lives in; None for host memory."""
-        while True:
-            if node.target is ops.offload:
-                return None
-            elif is_view(node) and isinstance(node.args[0], fx.Node):
-                node = node.args[0]
-            elif node in self.host_inputs:
-                return None
-            else:
-                return node
+        owner = storage_owner(node)
+        to_host = COPY_LANES.get(owner.target) is Lane.D2H
+        return None if to_host or owner in self.host_inputs else owner
 
 
 def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: float,
@@ -164,20 +144,21 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
     allocated = {node: _storage_bytes(node) for node in held}
     t, peak, stall = start, live, 0.0
     for index, node in enumerate(gm.graph.nodes):
-        lane, begin = COMPUTE, t
-        if node.target in (ops.offload, ops.prefetch):
-            lane = D2H if node.target is ops.offload else H2D
+        lane, begin = Lane.COMPUTE, t
+        if node.target in COPY_LANES:
+            lane = COPY_LANES[node.target]
             link.enqueue(node, lane, _storage_bytes(node), t)
             t += cost.profile.transfer_host_s / TRANSFER_DIRECTIONS
-        elif node.target is ops.wait_event:
-            copy = node.args[0].args[0]
+        elif node.target in (ops.wait_event, ops.wait_host):
+            copy = node.args[0]
+            while copy.target not in COPY_LANES:
+                copy = copy.args[0]
             t = max(t, link.finish_time(copy))
             stall += t - begin
-        elif node.op == "call_function" and not is_view(node) \
-                and node.target is not operator.getitem:
+        elif is_compute(node):
             t += cost.compute_seconds(node)
         else:
-            lane = "-"
+            lane = Lane.NONE
         if node.op == "call_function" and memory.owner(node) is node \
                 and isinstance(node.meta.get("val"), torch.Tensor) and materialized(node):
             allocated[node] = _storage_bytes(node)
@@ -199,7 +180,7 @@ def simulate(graphs: StormGraphs, cost: CostModel) -> Prediction:
     fw_end, fw_live, fw_peak, fw_stall = _walk(fw, "fw", cost, link, 0.0, baseline, [],
                                                set(), baseline, timings)
 
-    input_views = {n.name for n in saved_values(graphs) if alias_root(n).op == "placeholder"}
+    input_views = {n.name for n in saved_values(graphs) if storage_owner(n).op == "placeholder"}
     bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
     host_inputs = {n for n in bw_inputs if any(u.target is ops.prefetch for u in n.users)}
     persistent = {n for n in bw_inputs if n.name in input_views}
@@ -212,7 +193,7 @@ def simulate(graphs: StormGraphs, cost: CostModel) -> Prediction:
                                          host_inputs, baseline, timings)
     copies = []
     for name, gm in (("fw", fw), ("bw", bw)):
-        for target, lane in ((ops.offload, D2H), (ops.prefetch, H2D)):
+        for target, lane in COPY_LANES.items():
             for node in gm.graph.find_nodes(op="call_function", target=target):
                 if node in link.done:
                     copies.append(CopyTiming(name, node.name, lane, link.started[node],
@@ -220,5 +201,6 @@ def simulate(graphs: StormGraphs, cost: CostModel) -> Prediction:
     return Prediction(
         step_s=bw_end, forward_s=fw_end, exposed_transfer_s=fw_stall + bw_stall,
         activation_bytes=fw_live - baseline, peak_bytes=max(fw_peak, bw_peak) - baseline,
-        offloaded_bytes=sum(c.nbytes for c in copies if c.lane == D2H),
+        offloaded_bytes=sum(_storage_bytes(n) for n in fw.graph.find_nodes(
+            op="call_function", target=ops.offload)),
         timings=tuple(timings), copies=tuple(copies))

@@ -7,12 +7,12 @@ from torch import fx
 
 from storm_compile import ops
 from storm_compile.backend import StormBackend
-from storm_compile.config import StormConfig
+from storm_compile.config import CPU_PLANNING, StormConfig
 from storm_compile.cost_model import CostModel
 from storm_compile.graphs import COST_KEY, StormGraphs
 from zoo import ZOO
 
-CPU_TEST_OPTIONS = {"inner": "eager", "transfer_cpu_tensors": True, "min_offload_bytes": 0,
+CPU_TEST_OPTIONS = {**CPU_PLANNING, "inner": "eager", "min_offload_bytes": 0,
                     "profile": "cpu-test", "offload": "all", "recompute": False}
 """Offload every eligible activation of the tiny CPU models, running the graphs directly."""
 

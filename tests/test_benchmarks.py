@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import activation_memory
+from benchmarks import activation_memory, streaming
 from benchmarks.trace_analysis import analyse
 from storm_compile.config import PRESETS
 
@@ -80,3 +80,79 @@ def test_overlap_maths(tmp_path):
     assert overlap.d2h_us == 100 and overlap.h2d_us == 40
     assert overlap.compute_busy_fraction == pytest.approx(150 / 220)
     assert overlap.copy_overlap_fraction == pytest.approx(70 / 140)
+
+
+def test_planning_time_sums_the_pass_records(capsys):
+    """One block of the benchmark shape: seconds per pass from the graphs' records, each pass
+    once (summed over its runs), then the planner's total."""
+    from benchmarks import planning_time
+
+    assert planning_time.main(["--layers", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    seconds = {line[:20].strip(): float(line[20:].split()[0]) for line in lines}
+    assert list(seconds) == ["split", "annotate_costs", "plan_offload", "plan_memory",
+                             "rematerialize", "place_transfers", "insert_transfers",
+                             "planner total"]
+    assert seconds["planner total"] == pytest.approx(
+        seconds["plan_offload"] + seconds["plan_memory"], abs=2e-3)
+
+
+SMOKE_ZOO_MODELS = ("llama", "resnet")
+"""A transformer and a convolutional net: enough to exercise the zoo harness on the CPU."""
+
+
+def test_zoo_memory_smoke_writes_table_and_json(tmp_path):
+    from benchmarks import zoo_memory
+
+    argv = ["--smoke", "--models", ",".join(SMOKE_ZOO_MODELS), "--out", str(tmp_path)]
+    assert zoo_memory.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["model"], r["method"]) for r in rows] == [
+        (model, method) for model in SMOKE_ZOO_MODELS for method in zoo_memory.METHODS]
+    assert [r for r in rows if "error" in r] == []
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert all(r["grad_rel_error"] < 1e-3 for r in rows if r["method"] != zoo_memory.REFERENCE)
+    table = (tmp_path / "results.md").read_text()
+    assert "| storm-budget-0.5 " in table and "peak > compile" in table
+
+
+def test_zoo_memory_failing_method_is_reported_and_run_continues(tmp_path, monkeypatch):
+    from benchmarks import zoo_memory
+
+    wrap = zoo_memory.wrap
+
+    def broken_storm(method, model, storm_options=None):
+        if method == "storm":
+            raise RuntimeError("storm broke\nmore detail")
+        return wrap(method, model, storm_options)
+
+    monkeypatch.setattr(zoo_memory, "wrap", broken_storm)
+    assert zoo_memory.main(["--smoke", "--models", "resnet", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == list(zoo_memory.METHODS)
+    assert rows[1]["error"] == "RuntimeError: storm broke"
+    assert "step_ms" in rows[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+@pytest.mark.parametrize("module", ["zoo_memory", "training_loop", "compile_time"])
+def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{module}").main
+    assert main([]) == activation_memory.EXIT_NO_CUDA
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and len(err.strip().splitlines()) == 1
+
+
+def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
+    assert streaming.main(["--smoke", "--tokens", "32", "--micro-batches", "2",
+                           "--loss-steps", "2", "--loss-tokens", "32", "--steps", "1",
+                           "--methods", "compile,storm", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["loss"]["summary"]["storm"]["max_abs_diff"] < 1e-4
+    rows = results["throughput"]
+    assert [r["method"] for r in rows] == ["compile", "storm"]
+    assert all(r["tokens_per_s"] > 0 and r["micro_batches"] == 2 for r in rows)
+    assert "pred_tokens_per_s" in rows[1]
+    assert "tokens/s" in (tmp_path / "results.md").read_text()

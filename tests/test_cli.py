@@ -1,22 +1,39 @@
-"""``storm schedule``: the table, JSON, and one-line errors with exit status 2 on bad input."""
+"""``storm schedule`` and ``storm pareto``: the storage view, the node table, JSON, models of any
+output structure, and one-line errors with exit status 2 on bad input."""
 
+import collections
+import dataclasses
 import json
+import re
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
 
+from benchmarks.activation_memory import CONFIGS, QUICK_CONFIG
+from storm_compile import cli
 from storm_compile.cli import EXIT_USAGE, main
+from storm_compile.backend import StormBackend
+from storm_compile.config import GIB, StormConfig, StormOptionError
+from storm_compile.models import GPTShape, ModelSpecError
 
 TINY_GPT = ["--d-model", "64", "--layers", "2", "--heads", "4", "--seq", "64", "--batch", "2",
             "--min-offload-bytes", "0", "--profile", "cpu-test", "--offload", "all"]
+TINY_SHAPE = [a for a in TINY_GPT if a not in ("--offload", "all")]
 SUMMARY_KEYS = {"predicted_step_ms", "baseline_step_ms", "exposed_transfer_ms", "activation_bytes",
                 "baseline_activation_bytes", "peak_bytes", "baseline_peak_bytes",
                 "offloaded_bytes"}
 
 FACTORY = """
+import collections
+import dataclasses
+from typing import NamedTuple, Optional
+
 import torch
+from torch import nn
+
 
 def good():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
@@ -27,6 +44,104 @@ def wrong():
 
 def raises():
     raise RuntimeError("no weights here")
+
+
+@dataclasses.dataclass
+class Plain:
+    logits: torch.Tensor
+    extra: tuple
+
+
+@dataclasses.dataclass
+class ModelOutput(collections.OrderedDict):
+    \"\"\"Like Hugging Face's: a dataclass that is an OrderedDict of its fields that are set.\"\"\"
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) is not None:
+                self[field.name] = getattr(self, field.name)
+
+
+class Pair(NamedTuple):
+    logits: torch.Tensor
+    norm: torch.Tensor
+
+
+class Structured(nn.Module):
+    \"\"\"Returns its head's output ``y`` in the structure ``kind`` names.\"\"\"
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.body = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        y = self.head(torch.tanh(self.body(x)))
+        return {
+            "dict": lambda: {"logits": y, "ids": y.argmax(-1)},
+            "dataclass": lambda: Plain(y, (y * 2, 3)),
+            "model_output": lambda: ModelOutput(logits=y),
+            "model_output_loss": lambda: ModelOutput(loss=y.square().mean(), logits=y),
+            "namedtuple": lambda: Pair(y, y.norm(dim=-1)),
+            "tuple": lambda: (y, y.argmax(-1)),
+            "list": lambda: [y, [y.exp()]],
+            "ids": lambda: y.argmax(-1),
+        }[self.kind]()
+
+
+def structured(kind):
+    return lambda: (Structured(kind), (torch.randn(8, 16),))
+
+
+for kind in ("dict", "dataclass", "model_output", "model_output_loss", "namedtuple", "tuple",
+             "list"):
+    globals()[kind] = structured(kind)
+
+
+class TwoHeads(nn.Module):
+    \"\"\"A loss from one head and a tanh from the other, under the key ``key``.\"\"\"
+
+    def __init__(self, key):
+        super().__init__()
+        self.key = key
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return {self.key: self.a(x).square().mean(), "aux": torch.tanh(self.b(x))}
+
+
+def with_loss():
+    return TwoHeads("loss"), (torch.randn(8, 16),)
+
+def without_loss():
+    return TwoHeads("total"), (torch.randn(8, 16),)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def branchy():
+    return Branchy(), (torch.randn(8, 16),)
+
+def two_inputs():
+    return nn.Linear(16, 4), (torch.randn(8, 16), torch.randn(8, 16))
+
+def wrong_shape():
+    return nn.Linear(16, 4), (torch.randn(8, 15),)
+
+integer_output = structured("ids")
 """
 
 
@@ -37,8 +152,8 @@ def factory_file(tmp_path):
     return path
 
 
-def test_schedule_gpt_table(capsys):
-    assert main(["schedule", "gpt", *TINY_GPT]) == 0
+def test_schedule_gpt_node_table(capsys):
+    assert main(["schedule", "gpt", *TINY_GPT, "--nodes"]) == 0
     out = capsys.readouterr().out
     for column in ("graph", "node", "op", "stream", "compute_us", "transfer_bytes",
                    "transfer_us", "event", "memory_after", "decision", *SUMMARY_KEYS):
@@ -64,20 +179,149 @@ def test_schedule_json_and_trace(capsys, tmp_path):
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
 
 
-def test_default_profile_plans_hidden_copies_for_the_first_benchmark_config(capsys):
-    args = ["--d-model", "2048", "--layers", "8", "--heads", "16", "--seq", "2048",
-            "--batch", "4", "--dtype", "bfloat16", "--profile", "h100", "--format", "json"]
-    assert main(["schedule", "gpt", *args]) == 0
+@pytest.mark.skipif(torch.cuda.is_available(), reason="auto is the present GPU with CUDA")
+def test_default_gpt_is_the_first_benchmark_config_and_storm_offloads_there(capsys):
+    """``storm schedule gpt`` as the README runs it, on a machine without CUDA: the default
+    profile, auto, plans for the h100, and storm's defaults offload on the default shape."""
+    assert GPTShape() == CONFIGS[QUICK_CONFIG]
+    assert main(["schedule", "gpt", "--format", "json"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
-    assert summary["offloaded_bytes"] > 0
+    assert summary["profile"] == "h100"
+    assert summary["offloaded_bytes"] > 0 and summary["offloaded_storages"] > 0
     assert summary["exposed_transfer_ms"] == 0
+    assert summary["activation_bytes"] < summary["baseline_activation_bytes"]
     assert summary["peak_bytes"] <= summary["baseline_peak_bytes"]
+
+
+def test_cli_resolves_profiles_as_the_backend_does(monkeypatch):
+    """One default, ``auto``, resolved by ``profile_for``: the present GPU's calibration for
+    both; without CUDA the backend's graphs run on the CPU (cpu-test) while the CLI plans for a
+    GPU (h100). Names and paths resolve alike, and so do their errors."""
+    assert StormConfig().profile == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.planning_context().cost.profile.name == "h100"
+    assert StormBackend(StormConfig()).ctx.cost.profile.name == "cpu-test"
+    assert cli.planning_context(profile="h200").cost.profile.name == "h200"
+    assert StormBackend(StormConfig(profile="h200")).ctx.cost.profile.name == "h200"
+    message = "storm option 'profile': unknown device profile 'tpu-v9'"
+    with pytest.raises(StormOptionError, match=message):
+        cli.planning_context(profile="tpu-v9")
+    with pytest.raises(StormOptionError, match=message):
+        StormBackend(StormConfig(profile="tpu-v9"))
+
+
+def test_schedule_timings_prints_each_pass_record(capsys):
+    """``--timings``: after the schedule, one row per pass run in order, from the graphs' pass
+    records (``split`` first; a budget that recomputes splits again), and the same records under
+    ``"passes"`` in JSON."""
+    argv = ["schedule", "gpt", *TINY_SHAPE, "--memory-budget", "0.3"]
+    assert main([*argv, "--timings"]) == 0
+    out = capsys.readouterr().out
+    schedule, timings = out.split("\n\npass ")
+    assert schedule.splitlines()[0].split() == ["gpt", "profile", "cpu-test"]
+    lines = ("pass " + timings).splitlines()
+    assert lines[0].split() == ["pass", "seconds", "changed"]
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["split", "annotate_costs", "plan_offload", "plan_memory",
+                                    "rematerialize", "annotate_costs", "plan_offload",
+                                    "plan_memory", "place_transfers", "insert_transfers"]
+    assert all(float(r[1]) >= 0 for r in rows)
+    assert " ".join(rows[4][2:]) == "split again"
+    assert main([*argv, "--timings", "--format", "json"]) == 0
+    passes = json.loads(capsys.readouterr().out)["passes"]
+    assert [p["name"] for p in passes] == [r[0] for r in rows]
+    assert set(passes[0]) == {"name", "seconds", "changed"}
+    assert main(argv) == 0
+    assert "\npass " not in capsys.readouterr().out, "the pass table is behind --timings"
+
+
+def test_default_view_is_a_summary_and_one_row_per_saved_activation(capsys):
+    assert main(["schedule", "gpt", *TINY_SHAPE, "--memory-budget", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert main(["schedule", "gpt", *TINY_SHAPE, "--memory-budget", "0.3",
+                 "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    lines = out.splitlines()
+    assert lines[0].split() == ["gpt", "profile", "cpu-test"]
+    for label in ("predicted step", "activation memory", "peak memory", "offloaded",
+                  "recomputed", "saved storages", "budget"):
+        assert any(line.startswith(label) for line in lines[1:9]), label
+    assert "ms with storm" in out and "ms without" in out and "→" in out
+    assert max(map(len, lines)) <= 100
+    assert "offload.default" not in out, "the node table is behind --nodes"
+    header = lines.index(next(line for line in lines if line.split() == ["storage", "bytes",
+                                                                          "decision", "reason"]))
+    rows = [line.split()[0] for line in lines[header + 2:]]
+    activations = [r for r in doc["storages"] if not r["graph_input"]]
+    assert rows == [r["storage"] for r in activations]
+    summary = doc["summary"]
+    for key, action in (("offloaded_storages", "offload"), ("recomputed_storages", "recompute"),
+                        ("kept_storages", "keep")):
+        assert summary[key] == sum(r["decision"] == action for r in doc["storages"])
+    assert summary["recomputed_storages"] > 0
+    assert {"storage", "bytes", "decision", "reason", "graph_input"} == set(doc["storages"][0])
 
 
 def test_schedule_factory(factory_file, capsys):
     assert main(["schedule", f"{factory_file}:good", "--min-offload-bytes", "0",
-                 "--profile", "cpu-test", "--offload", "all", "--no-recompute"]) == 0
+                 "--profile", "cpu-test", "--offload", "all", "--no-recompute", "--nodes"]) == 0
     assert "offload.default" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["dict", "dataclass", "model_output", "model_output_loss",
+                                  "namedtuple", "tuple", "list"])
+def test_schedule_factory_of_any_output_structure(kind, factory_file, capsys):
+    assert main(["schedule", f"{factory_file}:{kind}", "--min-offload-bytes", "0",
+                 "--profile", "cpu-test", "--format", "json"]) == 0
+    storages = {r["storage"] for r in json.loads(capsys.readouterr().out)["storages"]}
+    assert "tanh" in storages, "the head's input is saved for the backward"
+
+
+def test_only_the_loss_is_differentiated_when_there_is_one(factory_file, capsys):
+    """The aux head's tanh is saved for its own backward only when the aux output is
+    differentiated too, i.e. when the output has no ``loss`` entry."""
+    saved = {}
+    for name in ("with_loss", "without_loss"):
+        assert main(["schedule", f"{factory_file}:{name}", "--min-offload-bytes", "0",
+                     "--profile", "cpu-test", "--format", "json"]) == 0
+        saved[name] = {r["storage"] for r in json.loads(capsys.readouterr().out)["storages"]}
+    assert "tanh" not in saved["with_loss"] and "tanh" in saved["without_loss"]
+
+
+class _Pair(NamedTuple):
+    logits: torch.Tensor
+    ids: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Out:
+    hidden: torch.Tensor
+    rest: list
+
+
+class _ModelOutput(collections.OrderedDict):
+    def __init__(self, **fields):
+        super().__init__(**fields)
+        self.__dict__.update(fields)
+
+
+def test_differentiated_outputs_rule():
+    y, z, ids, loss = torch.randn(2), torch.randn(3), torch.arange(2), torch.tensor(1.0)
+    assert cli.differentiated(y, "m") == (y,)
+    assert cli.differentiated({"loss": loss, "logits": y}, "m") == (loss,)
+    assert cli.differentiated(_ModelOutput(loss=loss, logits=y), "m") == (loss,)
+    assert cli.differentiated({"loss": None, "logits": y, "ids": ids}, "m") == (y,)
+    assert cli.differentiated(_Pair(y, ids), "m") == (y,)
+    assert cli.differentiated(_Out(y, [ids, (z, 3)]), "m") == (y, z)
+    assert cli.differentiated([y, {"z": z}], "m") == (y, z)
+    with pytest.raises(ModelSpecError, match="no floating-point tensor"):
+        cli.differentiated((ids, 3), "m")
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("storm: error:"), err
+    return err
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -85,32 +329,88 @@ def test_schedule_factory(factory_file, capsys):
     ("{factory}:nothere", "has no callable 'nothere'"),
     ("{factory}:wrong", "must return (torch.nn.Module, tuple of example inputs)"),
     ("{factory}:raises", "raised RuntimeError: no weights here"),
-    ("resnet", "expected one of gpt or path/to/file.py:factory"),
+    ("resnet", "expected one of gpt, llama or path/to/file.py:factory"),
+    ("{factory}:branchy", "its forward has a data-dependent branch (Python control flow on a "
+                          "tensor's value, or .item()), which cannot be traced with fake tensors: "
+                          "DataDependentOutputException"),
+    ("{factory}:two_inputs", "its forward failed on the example inputs: TypeError: "),
+    ("{factory}:wrong_shape", "its forward failed on the example inputs: RuntimeError: "),
+    ("{factory}:integer_output", "its output holds no floating-point tensor to differentiate"),
 ])
 def test_bad_model_is_one_line_exit_2(spec, message, factory_file, capsys):
-    assert main(["schedule", spec.format(factory=factory_file)]) == EXIT_USAGE
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("storm: error:")
-    assert message in err
+    assert main(["schedule", spec.format(factory=factory_file), "--profile",
+                 "cpu-test"]) == EXIT_USAGE
+    assert message in _one_line_error(capsys)
+
+
+def test_a_bug_in_storm_keeps_its_traceback(factory_file, monkeypatch):
+    """Only errors of the user's forward become one-line errors, not those of storm's passes
+    running in the same trace."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("storm bug")
+
+    monkeypatch.setattr("storm_compile.backend.storm_partition", broken)
+    with pytest.raises(RuntimeError, match="storm bug"):
+        main(["schedule", f"{factory_file}:good", "--profile", "cpu-test"])
+
+
+@pytest.mark.parametrize("knob, value, message", [
+    ("heads", 3, "gpt d_model (2048) must be divisible by heads (3)"),
+    ("seq", 0, "gpt seq must be a positive int, got 0"),
+    ("batch", -1, "gpt batch must be a positive int, got -1"),
+    ("layers", 0, "gpt layers must be a positive int, got 0"),
+    ("d_model", 0, "gpt d_model must be a positive int, got 0"),
+    ("hidden", 0, "gpt hidden must be a positive int, got 0"),
+    ("dtype", "int8", "gpt dtype must be one of float32, bfloat16, float16, float64, got 'int8'"),
+])
+def test_bad_gpt_shape_is_one_line_exit_2_as_in_python(knob, value, message, capsys):
+    assert main(["schedule", "gpt", f"--{knob.replace('_', '-')}", str(value)]) == EXIT_USAGE
+    assert message in _one_line_error(capsys)
+    with pytest.raises(ModelSpecError, match=re.escape(message)):
+        GPTShape(**{knob: value})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["schedule", "gpt", "--trace", "{tmp}/no/such/trace.json"], "--trace '{tmp}/no/such/"
+                                                                "trace.json': no such folder "
+                                                                "'{tmp}/no/such'"),
+    (["pareto", "gpt", "--plot", "{tmp}/missing/f.svg"], "--plot '{tmp}/missing/f.svg': no "
+                                                        "such folder '{tmp}/missing'"),
+])
+def test_output_into_a_missing_folder_is_one_line_exit_2(argv, message, tmp_path, capsys):
+    assert main([a.format(tmp=tmp_path) for a in argv]) == EXIT_USAGE
+    assert message.format(tmp=tmp_path) in _one_line_error(capsys)
+    assert not (tmp_path / "no").exists() and not (tmp_path / "missing").exists()
+
+
+def test_argparse_errors_are_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["schedule", "gpt", "--seq", "abc"])
+    assert exited.value.code == EXIT_USAGE
+    assert "argument --seq: invalid int value: 'abc'" in _one_line_error(capsys)
 
 
 @pytest.mark.parametrize("profile, message", [
     ("tpu-v9", "unknown device profile 'tpu-v9'; built-in profiles: h100"),
     ("{missing}", "missing field 'matmul_flops'"),
-    ("{negative}", "field 'h2d_bandwidth' must be a non-negative number"),
+    ("{negative}", "field 'h2d_bandwidth' must be a finite, non-negative number, got -1"),
+    ("{nan}", "field 'launch_s' must be a finite, non-negative number, got nan"),
+    ("{infinite}", "field 'd2h_bandwidth' must be a finite, non-negative number, got inf"),
 ])
 def test_bad_profile_is_one_line_exit_2(profile, message, tmp_path, capsys):
     missing = tmp_path / "missing.json"
     missing.write_text(json.dumps({"name": "x"}))
-    negative = tmp_path / "negative.json"
     fields = {"name": "x", "matmul_flops": 1, "fp32_flops": 1, "memory_bandwidth": 1,
-              "launch_s": 0, "h2d_bandwidth": -1, "d2h_bandwidth": 1, "duplex_bandwidth": 1,
-              "copy_latency_s": 0}
-    negative.write_text(json.dumps(fields))
-    spec = profile.format(missing=missing, negative=negative)
-    assert main(["schedule", "gpt", "--profile", spec]) == EXIT_USAGE
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and message in err
+              "launch_s": 0, "h2d_bandwidth": 1, "d2h_bandwidth": 1, "duplex_bandwidth": 1,
+              "copy_latency_s": 0, "transfer_host_s": 0}
+    bad = {"negative": ("h2d_bandwidth", -1), "nan": ("launch_s", float("nan")),
+           "infinite": ("d2h_bandwidth", float("inf"))}
+    paths = {"missing": missing}
+    for name, (field, value) in bad.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({**fields, field: value}))  # NaN and Infinity literals
+    assert main(["schedule", "gpt", "--profile", profile.format(**paths)]) == EXIT_USAGE
+    assert message in _one_line_error(capsys)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
@@ -130,9 +430,6 @@ def test_console_script_exit_code_and_no_traceback():
                              "nowhere.py:f"], capture_output=True, text=True)
     assert result.returncode == EXIT_USAGE
     assert "Traceback" not in result.stderr
-
-
-TINY_SHAPE = [a for a in TINY_GPT if a not in ("--offload", "all")]
 
 
 def test_schedule_memory_budget_shows_each_decision(capsys):
@@ -161,11 +458,128 @@ def test_pareto_table_json_and_plot(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("budget, message", [
-    ("12parsecs", "accepted forms: an int of bytes"),
-    ("1KiB", "below the minimum feasible for this graph"),
+    ("12parsecs", "cannot use '12parsecs': unknown size unit 'parsecs'"),
+    ("1KiB", "below the minimum feasible"),
+    ("2048", "a number without a unit is a fraction in (0, 1]: give bytes with a unit"),
+    ("0", "cannot use '0': a number without a unit is a fraction, which must be in (0, 1]"),
+    ("-0.5", "cannot use '-0.5': a number without a unit is a fraction"),
+    ("1.5", "cannot use '1.5': a number without a unit is a fraction"),
+    ("nan", "cannot use 'nan': not a finite number"),
+    ("inf", "cannot use 'inf': not a finite number"),
 ])
 def test_bad_budget_is_one_line_exit_2(budget, message, capsys):
     assert main(["schedule", "gpt", *TINY_SHAPE, "--memory-budget", budget]) == EXIT_USAGE
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("storm: error:")
-    assert message in err
+    assert message in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("overhead", ["nan", "inf", "-0.1"])
+def test_bad_max_overhead_is_one_line_exit_2(overhead, capsys):
+    assert main(["schedule", "gpt", *TINY_SHAPE, "--memory-budget", "auto",
+                 "--max-overhead", overhead]) == EXIT_USAGE
+    assert "storm option 'max_overhead': expected a finite fraction >= 0" in \
+        _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("typed, python", [("1", 1), ("1", 1.0), ("0.5", 0.5),
+                                           ("2GiB", "2GiB"), ("2GiB", 2 * GIB)])
+def test_cli_reads_a_budget_as_python_does(typed, python, monkeypatch, capsys):
+    configs = []
+    from_options = StormConfig.from_options
+
+    def spy(**options):
+        configs.append(from_options(**options))
+        return configs[-1]
+
+    monkeypatch.setattr(StormConfig, "from_options", spy)
+    assert main(["schedule", "gpt", *TINY_SHAPE, "--memory-budget", typed,
+                 "--format", "json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    (config,) = configs
+    expected = from_options(memory_budget=python).memory_budget
+    assert config.memory_budget == expected and type(config.memory_budget) is type(expected)
+    if isinstance(expected, float):
+        assert summary["budget_bytes"] == int(expected * summary["baseline_activation_bytes"])
+
+
+def test_pareto_skips_budgets_below_the_minimum_with_a_note(factory_file, capsys):
+    """Nothing of the tiny model reaches the default min_offload_bytes, so its minimum is all
+    of its activation memory and every default fraction below 1 is skipped."""
+    spec = f"{factory_file}:good"
+    assert main(["pareto", spec, "--profile", "cpu-test", "--format", "json"]) == 0
+    captured = capsys.readouterr()
+    (point,) = json.loads(captured.out)
+    notes = captured.err.strip().splitlines()
+    assert [n.split()[3] for n in notes] == ["0.9", "0.75", "0.5", "0.25", "0.1"]
+    minimum = point["activation_bytes"]
+    assert all(n.startswith("storm: note: budget ") and
+               n.endswith(f"skipped: below the minimum of {minimum} bytes for this model")
+               for n in notes)
+    assert main(["pareto", spec, "--profile", "cpu-test", "--budgets", "1,1KiB"]) == 0
+    assert "budget 1KiB (1024 bytes) skipped" in capsys.readouterr().err
+    assert main(["pareto", spec, "--profile", "cpu-test", "--budgets", "0.5,1KiB"]) == EXIT_USAGE
+    assert "every budget is below the minimum" in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_pareto_default_sweep_ends_at_the_minimum(factory_file, capsys):
+    assert main(["pareto", f"{factory_file}:good", "--profile", "cpu-test",
+                 "--min-offload-bytes", "0", "--format", "json"]) == 0
+    captured = capsys.readouterr()
+    points = json.loads(captured.out)
+    assert points[0]["step_ratio"] == 1.0
+    assert points[-1]["budget_bytes"] == points[-1]["activation_bytes"] == \
+        min(p["activation_bytes"] for p in points)
+    assert "budget 0.1 " in captured.err, "0.1 of this model is below its minimum"
+
+
+def test_schedule_llama_preset_plans_its_loss(capsys):
+    assert main(["schedule", "llama", "--preset", "tiny", "--format", "json",
+                 "--min-offload-bytes", "0", "--memory-budget", "0.5"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    summary = doc["summary"]
+    assert summary["activation_bytes"] <= summary["budget_bytes"] < \
+        summary["baseline_activation_bytes"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["llama", "--d-model", "64"], "--d-model applies to the built-in gpt only"),
+    (["gpt", "--preset", "tiny"], "--preset applies to the built-in llama only"),
+])
+def test_llama_knobs_are_checked(argv, message, capsys):
+    assert main(["schedule", *argv]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+STREAMED_LLAMA = ["llama", "--preset", "1b", "--layers", "1", "--seq", "256", "--stream"]
+"""The smallest built-in whose matrices pass stream_parameters' 1 MiB: one 1B-shaped block."""
+
+
+def test_schedule_of_a_streamed_model_reports_weights_and_tokens_per_second(capsys):
+    assert main(["schedule", *STREAMED_LLAMA, "--format", "json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["streamed_weight_bytes"] > 0 and summary["tokens"] == 256
+    assert summary["predicted_tokens_per_s"] == pytest.approx(
+        256 / (summary["predicted_step_ms"] / 1e3))
+    assert main(["schedule", *STREAMED_LLAMA]) == 0
+    table = capsys.readouterr().out
+    assert "streamed weights" in table and "tokens/s predicted" in table
+
+
+def test_throughput_plans_each_micro_batch_size(capsys):
+    assert main(["throughput", *STREAMED_LLAMA, "--tokens", "256,512", "--format",
+                 "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in rows] == [256, 512]
+    assert rows[1]["activation_bytes"] > rows[0]["activation_bytes"]
+    assert all(r["streamed_weight_bytes"] == rows[0]["streamed_weight_bytes"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["llama", "--preset", "tiny", "--tokens", "48"], "multiples of the sequence length 32"),
+    (["llama", "--preset", "tiny", "--tokens", "32,x"], "multiples of the sequence length 32"),
+    (["{factory}:good", "--tokens", "64"], "throughput needs a built-in model"),
+])
+def test_throughput_bad_input_is_one_line(argv, message, factory_file, capsys):
+    assert main(["throughput", *(a.format(factory=factory_file) for a in argv)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -5,7 +5,15 @@ from importlib.metadata import entry_points
 import pytest
 
 from storm_compile import StormConfig, storm
-from storm_compile.config import GIB, parse_bytes
+from storm_compile.config import (
+    BUDGET_FORMS,
+    GIB,
+    HOST_MEMORY_FRACTION,
+    LOCAL_RANKS_ENV,
+    StormOptionError,
+    parse_bytes,
+    physical_memory_bytes,
+)
 
 
 def test_defaults_resolve_host_limit():
@@ -27,12 +35,10 @@ def test_defaults_resolve_host_limit():
     ({"transfer_cpu_tensors": "yes"}, "storm option 'transfer_cpu_tensors': expected a bool"),
     ({"host_memory_limit": "12 parsecs"}, "storm option 'host_memory_limit': cannot read"),
     ({"host_memory_limit": 2.5}, "storm option 'host_memory_limit': expected bytes"),
-    ({"memory_budget": "12 parsecs"}, "storm option 'memory_budget': cannot read '12 parsecs'; "
-                                      "accepted forms: an int of bytes; a size string"),
-    ({"memory_budget": 1.5}, "storm option 'memory_budget': a fraction must be in (0, 1]"),
-    ({"memory_budget": True}, "storm option 'memory_budget': got bool True; accepted forms"),
+    ({"memory_budget": "12 parsecs"}, "storm option 'memory_budget': cannot use '12 parsecs': "
+                                      "unknown size unit 'parsecs'"),
     ({"memory_budget": 0.5, "offload": "all"}, "'memory_budget' and offload='all' conflict"),
-    ({"max_overhead": -0.1}, "storm option 'max_overhead': expected a fraction >= 0"),
+    ({"max_overhead": -0.1}, "storm option 'max_overhead': expected a finite fraction >= 0"),
     ({"recompute": "no"}, "storm option 'recompute': expected a bool"),
 ])
 def test_bad_options_raise_value_error_naming_the_option(options, message):
@@ -72,8 +78,68 @@ def test_backend_is_registered_by_entry_point():
 
 
 @pytest.mark.parametrize("budget, resolved", [
-    ("12GiB", 12 * GIB), (1 << 20, 1 << 20), (0.5, 0.5), (1.0, 1.0), ("auto", "auto"),
-    (None, None),
+    (None, None), ("auto", "auto"),
+    (1, 1.0), (1.0, 1.0), ("1", 1.0), (0.5, 0.5), ("0.5", 0.5), (" 0.25 ", 0.25),
+    (2, 2), (12 * GIB, 12 * GIB), ("12GiB", 12 * GIB), ("512 MB", 512_000_000), ("0B", 0),
+    ("2048B", 2048),
 ])
 def test_memory_budget_forms(budget, resolved):
-    assert StormConfig.from_options(memory_budget=budget).memory_budget == resolved
+    """A number without a unit is a fraction (a float), a size or a Python int above 1 is bytes
+    (an int): the type tells the planner which."""
+    value = StormConfig.from_options(memory_budget=budget).memory_budget
+    assert value == resolved and type(value) is type(resolved)
+
+
+FRACTION = "a number without a unit is a fraction, which must be in (0, 1]"
+NEEDS_UNIT = "a number without a unit is a fraction in (0, 1]: give bytes with a unit"
+
+
+@pytest.mark.parametrize("budget, problem", [
+    (True, "a bool is not a budget"), (False, "a bool is not a budget"),
+    (0, FRACTION), (0.0, FRACTION),
+    ("0", FRACTION), (-1, FRACTION),
+    (-0.5, FRACTION), ("-0.5", FRACTION),
+    (1.5, FRACTION), (2.5e9, FRACTION),
+    ("2048", NEEDS_UNIT), ("1e3", NEEDS_UNIT),
+    (float("nan"), "not a finite number"), (float("inf"), "not a finite number"),
+    (float("-inf"), "not a finite number"), ("nan", "not a finite number"),
+    ("inf", "not a finite number"), ("-inf", "not a finite number"),
+    ("12 parsecs", "unknown size unit 'parsecs'"), ("-1GiB", "not a number, a size or 'auto'"),
+    ("", "not a number, a size or 'auto'"), ("half", "not a number, a size or 'auto'"),
+    ([0.5], "a list is not a budget"),
+])
+def test_bad_memory_budget_names_value_and_accepted_forms(budget, problem):
+    with pytest.raises(StormOptionError) as error:
+        storm(memory_budget=budget)
+    message = str(error.value)
+    assert message.startswith(f"storm option 'memory_budget': cannot use {budget!r}: {problem}")
+    assert f"Accepted forms: {'; '.join(BUDGET_FORMS)}" in message
+
+
+@pytest.mark.parametrize("overhead", [float("nan"), float("inf"), float("-inf"), -0.1, True,
+                                      "0.05", None])
+def test_bad_max_overhead(overhead):
+    with pytest.raises(StormOptionError, match=r"storm option 'max_overhead': expected a finite "
+                                               r"fraction >= 0 \(0.02 is 2 %\), got "):
+        storm(max_overhead=overhead)
+
+
+@pytest.mark.parametrize("overhead", [0, 0.05, 1])
+def test_max_overhead_accepts_finite_fractions(overhead):
+    assert StormConfig.from_options(max_overhead=overhead).max_overhead == overhead
+
+
+def test_default_host_memory_is_shared_among_local_ranks(monkeypatch):
+    monkeypatch.delenv(LOCAL_RANKS_ENV, raising=False)
+    alone = StormConfig.from_options().host_memory_limit
+    assert alone == int(physical_memory_bytes() * HOST_MEMORY_FRACTION)
+    monkeypatch.setenv(LOCAL_RANKS_ENV, "4")
+    assert StormConfig.from_options().host_memory_limit == int(alone / 4)
+    assert StormConfig.from_options(host_memory_limit="1GiB").host_memory_limit == GIB
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_bad_local_world_size_is_an_option_error(monkeypatch, value):
+    monkeypatch.setenv(LOCAL_RANKS_ENV, value)
+    with pytest.raises(StormOptionError, match="LOCAL_WORLD_SIZE"):
+        StormConfig.from_options()

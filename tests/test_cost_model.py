@@ -6,14 +6,11 @@ import json
 import pytest
 import torch
 
-from storm_compile.cost_model import (
-    ATTENTION_EFFICIENCY,
-    PROFILES,
-    CostModel,
-    DeviceProfile,
-    node_flops,
-)
-from storm_compile.simulate import D2H, H2D, _Link
+from storm_compile import ops
+from storm_compile.cost_model import ATTENTION_EFFICIENCY, CostModel, node_flops
+from storm_compile.profiles import PROFILES, DeviceProfile
+from storm_compile.simulate import _Link
+from storm_compile.vocabulary import Lane
 
 TEST = PROFILES["cpu-test"]
 
@@ -75,25 +72,25 @@ def test_override_and_cache():
 
 def test_transfer_time_and_shared_link():
     model = CostModel(TEST)
-    assert model.transfer_seconds(10**10, "h2d") == pytest.approx(1e-5 + 1.0)
-    assert model.bandwidth("d2h", shared=True) == pytest.approx(0.75e10)
+    assert model.transfer_seconds(10**10, Lane.H2D) == pytest.approx(1e-5 + 1.0)
+    assert model.bandwidth(Lane.D2H, shared=True) == pytest.approx(0.75e10)
 
 
 def test_link_slows_copies_that_overlap_in_both_directions():
     alone = _Link(CostModel(TEST))
-    alone.enqueue("a", D2H, 10**10, 0.0)
+    alone.enqueue("a", Lane.D2H, 10**10, 0.0)
     assert alone.finish_time("a") == pytest.approx(1e-5 + 1.0)
     both = _Link(CostModel(TEST))
-    both.enqueue("a", D2H, 10**10, 0.0)
-    both.enqueue("b", H2D, 10**10, 0.0)
+    both.enqueue("a", Lane.D2H, 10**10, 0.0)
+    both.enqueue("b", Lane.H2D, 10**10, 0.0)
     assert both.finish_time("a") == pytest.approx(1e-5 + 10**10 / 0.75e10)
     assert both.finish_time("b") == pytest.approx(1e-5 + 10**10 / 0.75e10)
 
 
 def test_copies_on_one_lane_queue():
     link = _Link(CostModel(TEST))
-    link.enqueue("a", H2D, 10**10, 0.0)
-    link.enqueue("b", H2D, 10**10, 0.0)
+    link.enqueue("a", Lane.H2D, 10**10, 0.0)
+    link.enqueue("b", Lane.H2D, 10**10, 0.0)
     assert link.finish_time("b") == pytest.approx(2 * (1e-5 + 1.0))
 
 
@@ -106,3 +103,16 @@ def test_profile_json_round_trip(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="'duplex_bandwidth' must be > 0"):
         DeviceProfile.from_json(path)
+
+
+def test_streamed_weight_copies_cost_their_link_time():
+    graph = torch.fx.Graph()
+    weight = graph.placeholder("w")
+    weight.meta["val"] = torch.empty(1024, 1024)
+    fetch = graph.call_function(ops.fetch_weight, (weight, torch.device("cpu")))
+    fetch.meta["val"] = torch.empty(1024, 1024)
+    home = graph.call_function(ops.grad_to_host, (fetch, torch.device("cpu")))
+    home.meta["val"] = torch.empty(1024, 1024)
+    model = CostModel(TEST)
+    assert model.compute_seconds(fetch) == pytest.approx(model.transfer_seconds(4 << 20, Lane.H2D))
+    assert model.compute_seconds(home) == pytest.approx(model.transfer_seconds(4 << 20, Lane.D2H))

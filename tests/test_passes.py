@@ -7,18 +7,12 @@ from torch import fx
 from helpers import capture, compute_between, cost_model, nodes
 from storm_compile import ops
 from storm_compile.config import StormConfig
-from storm_compile.graphs import (
-    COST_KEY,
-    DECISION_KEY,
-    PassContext,
-    StormGraphs,
-    alias_root,
-    model_outputs,
-    saved_values,
-)
+from storm_compile.graphs import COST_KEY, PassContext, StormGraphs, model_outputs, saved_values
 from storm_compile.passes import StormVerificationError, verify_graphs
 from storm_compile.pipeline import run_passes
+from storm_compile.plan import Action, Rule, Unplaced
 from storm_compile.simulate import simulate
+from storm_compile.vocabulary import storage_owner
 from zoo import ZOO
 
 MODELS = sorted(ZOO)
@@ -56,9 +50,9 @@ def test_forward_pattern(name):
         record, wait = _chain(offload)
         source = offload.args[0]
         assert order[source] < order[offload] < order[record] < order[wait]
-        anchor = next(n for n in fw.graph.nodes if n.name == source.meta[DECISION_KEY].wait_after)
+        anchor = graphs.storages.decisions[source].placement.wait_after
         assert order[anchor] < order[wait] and compute_between(fw, anchor, wait) == 0
-        readers = [u for n in fw.graph.nodes if alias_root(n) is source for u in n.users]
+        readers = [u for n in fw.graph.nodes if storage_owner(n) is source for u in n.users]
         assert all(order[u] <= order[wait] for u in readers), "read after its offload's wait"
 
 
@@ -113,7 +107,7 @@ def test_offloading_lowers_predicted_activation_memory(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_never_offloads_inputs_or_outputs(name):
     graphs = capture(name)
-    visible = {alias_root(n) for n in model_outputs(graphs)}
+    visible = {storage_owner(n) for n in model_outputs(graphs)}
     for offload in nodes(graphs.forward, ops.offload):
         source = offload.args[0]
         assert source.op != "placeholder"
@@ -124,10 +118,9 @@ def test_never_offloads_inputs_or_outputs(name):
 def test_decisions_match_the_rewrite(name):
     graphs = capture(name)
     offloaded = {o.args[0].name for o in nodes(graphs.forward, ops.offload)}
-    for node in graphs.forward.graph.nodes:
-        decision = node.meta.get(DECISION_KEY)
-        if decision is not None:
-            assert (decision.action == "offload") == (decision.storage in offloaded), node.name
+    for storage, decision in graphs.storages:
+        assert (decision.action is Action.OFFLOAD) == (storage.name in offloaded), storage.name
+        assert (decision.placement is not None) == (decision.action is Action.OFFLOAD)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -145,14 +138,17 @@ def test_noop_when_nothing_qualifies(name):
     graphs = capture(name, min_offload_bytes=1 << 40)
     for gm in (graphs.forward, graphs.backward):
         assert not any(n.target in ops.TRANSFER_OPS for n in gm.graph.nodes)
-    assert all(n.meta[DECISION_KEY].action == "keep" for n in saved_values(graphs))
+    assert all(d.action is Action.KEEP for _, d in graphs.storages)
+    assert {s.root for s in graphs.storages.storages} == \
+        {storage_owner(n) for n in saved_values(graphs)}
 
 
 def test_hidden_mode_keeps_copies_that_would_not_hide():
     graphs = capture("gpt", offload="hidden", cost_override=lambda node: 0.0)
     assert not nodes(graphs.forward, ops.offload)
-    reasons = " ".join(n.meta[DECISION_KEY].reason for n in saved_values(graphs))
-    assert "would end" in reasons
+    late = [d.held for _, d in graphs.storages if isinstance(d.held, Unplaced)]
+    assert late and all(d.late_s > 0 for d in late)
+    assert all("would end" in str(d) for d in late)
 
 
 def test_hidden_mode_offloads_when_compute_covers_the_copies():
@@ -166,8 +162,9 @@ def test_cpu_model_is_left_alone_without_transfer_cpu_tensors(caplog):
     with caplog.at_level("DEBUG", logger="storm_compile"):
         graphs = capture("mlp", transfer_cpu_tensors=False)
     assert not nodes(graphs.forward, ops.offload)
-    reasons = {n.meta[DECISION_KEY].reason for n in saved_values(graphs)}
-    assert any("not a CUDA device" in r for r in reasons)
+    rules = {s.eligibility.rule for s in graphs.storages.storages}
+    assert Rule.NOT_ON_CUDA in rules
+    assert any("not a CUDA device" in d.reason for _, d in graphs.storages)
     assert sum("nothing to offload" in r.message for r in caplog.records) == 1
 
 

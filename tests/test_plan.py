@@ -7,7 +7,7 @@ from torch import fx
 from helpers import CPU_TEST_OPTIONS, capture, cost_model, nodes, step
 from storm_compile import ops, storm
 from storm_compile.config import StormConfig
-from storm_compile.graphs import DECISION_KEY, PassContext, saved_values
+from storm_compile.graphs import PassContext, saved_values
 from storm_compile.passes import StormBudgetError
 from storm_compile.pipeline import run_passes
 from storm_compile.simulate import simulate
@@ -25,19 +25,18 @@ def _budget_options(budget) -> dict:
 
 
 def _recomputed(graphs) -> list[str]:
-    return [n.name for n in graphs.forward.graph.nodes
-            if DECISION_KEY in n.meta and n.meta[DECISION_KEY].action == "recompute"]
+    """Names of the recomputed storages' owners and saved views."""
+    return [n.name for storage, _ in graphs.plan.recomputed
+            for n in (storage.root, *storage.members)]
 
 
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_predicted_activation_memory_meets_the_budget(name, fraction):
+    """A graph too small to reach its share of a fraction budget does what it can: it plans
+    for its minimum instead of failing the compile."""
     unplanned = capture(name, **_budget_options(1.0)).plan
-    target = int(fraction * unplanned.baseline.activation_bytes)
-    if target < unplanned.minimum_bytes:
-        with pytest.raises(Exception, match="below the minimum feasible"):
-            capture(name, **_budget_options(fraction))
-        return
+    target = max(int(fraction * unplanned.baseline.activation_bytes), unplanned.minimum_bytes)
     graphs = capture(name, **_budget_options(fraction))
     assert graphs.plan.target_bytes == target
     assert simulate(graphs, cost_model()).activation_bytes <= target
@@ -105,10 +104,10 @@ def test_offload_all_moves_everything_movable():
 
 def test_budget_below_the_minimum_names_it():
     with pytest.raises(Exception) as caught:
-        step("gpt", storm(**_budget_options(1)))
+        step("gpt", storm(**_budget_options("1B")))
     error = getattr(caught.value, "inner_exception", caught.value)
     assert isinstance(error, StormBudgetError) and isinstance(error, ValueError)
-    assert "below the minimum feasible for this graph" in str(error)
+    assert "below the minimum feasible for the step" in str(error)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -20,7 +20,8 @@ def mlp():
 
 
 def gpt():
-    model, inputs = build_gpt(GPTShape(d_model=64, layers=2, heads=4, seq=32, batch=2))
+    model, inputs = build_gpt(GPTShape(d_model=64, layers=2, heads=4, seq=32, batch=2,
+                                       dtype="float32"))
     return model, inputs, _sum_loss
 
 

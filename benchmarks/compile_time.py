@@ -1,0 +1,271 @@
+"""Cold and warm compile time of storm against Inductor, each in a fresh process.
+
+For the built-in gpt at each ``--layers`` count and each backend (``inductor``: plain
+``torch.compile``; ``storm``: storm's defaults), a child process times its first fw+bw step
+(wall clock: Dynamo, AOTAutograd, storm's passes, Inductor) with empty cache directories
+(``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` in a new temporary directory) = cold, then
+a second fresh child with the same directories = warm. Each child prints one JSON line: the
+first-step seconds, the median of the steps after it, and Inductor's FX graph cache and
+AOTAutograd cache counters, and the reasons the caches logged for a bypass. The parent counts
+the child's stderr lines that show a traceback or a failed pickle (a cache entry that could not
+be written) and its warning lines, and keeps each stderr in the output directory.
+
+    python -m benchmarks.compile_time --out DIR                         # cuda: 8 and 32 layers
+    python -m benchmarks.compile_time --device cpu --layers 2 --out DIR # small gpt, fp32, CPU
+
+cuda: d2048/T2048/B4, bf16. cpu: d256/T256/B2, fp32, storm with ``transfer_cpu_tensors`` and
+``min_offload_bytes=0`` (so its passes insert transfers at this size; the C++ Inductor backend
+compiles). Writes ``results.md`` (tabulate) and ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+from torch._dynamo.utils import counters
+
+from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _ratio
+from storm_compile import storm
+from storm_compile.models import GPTShape, build_gpt
+
+BACKENDS = ("inductor", "storm")
+CUDA_SHAPE = GPTShape(d_model=2048, heads=16, seq=2048, batch=4, dtype="bfloat16")
+"""The benchmark stack of ``benchmarks.activation_memory`` (its first configuration)."""
+CPU_SHAPE = GPTShape(d_model=256, heads=4, seq=256, batch=2, dtype="float32")
+"""Small enough that the C++ Inductor backend compiles it in under a minute on two cores."""
+STEADY_STEPS = 3
+"""Steps after the first, whose median separates compile time from the step's own time."""
+CHILD_TIMEOUT_S = 1800
+"""A cold 32-layer compile takes minutes; a child that hangs must not stall the whole run."""
+STDERR_MARKERS = ("Traceback", "Failed to pickle")
+"""Lines of a child's stderr that show an error was logged (a cache write that failed)."""
+WARNING_RE = re.compile(r"^(\[rank\d+\]:)?W\d{4} |Warning: |WARNING")
+"""A warning line: torch's log format (``W0930 12:00:00.0 ...``), ``warnings.warn`` or logging."""
+CACHE_COUNTERS = {
+    "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+    "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
+}
+"""``torch._dynamo.utils.counters`` entries read by the child; absent ones read as 0."""
+CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+"""Loggers that say, at INFO, why a graph bypassed the FX graph or AOTAutograd cache."""
+
+
+class _BypassReasons(logging.Handler):
+    """Collects the reasons the caches give for a bypass."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Bypassing"):
+            self.reasons.add(message)
+
+
+@contextlib.contextmanager
+def _bypass_reasons() -> Iterator[set[str]]:
+    handler = _BypassReasons()
+    loggers = [logging.getLogger(name) for name in CACHE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        yield handler.reasons
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+def _shape(device: str, layers: int | None = None) -> GPTShape:
+    """The device's shape with ``layers`` blocks (None: the shape as defined)."""
+    shape = CUDA_SHAPE if device == "cuda" else CPU_SHAPE
+    return shape if layers is None else dataclasses.replace(shape, layers=layers)
+
+
+def _backend(name: str, device: str):
+    if name == "inductor":
+        return "inductor"
+    return storm(**CPU_STORM_OPTIONS) if device == "cpu" else storm()
+
+
+def child(backend_name: str, layers: int, device: str) -> dict:
+    """Time the first compiled fw+bw step and the steady steps after it, in this process."""
+    dev = _Device(device)
+    torch.manual_seed(0)
+    model, (x,) = build_gpt(_shape(device, layers), device)
+    setup_begin = time.perf_counter()
+    backend = _backend(backend_name, device)
+    setup_s = time.perf_counter() - setup_begin
+    run = torch.compile(model, backend=backend)
+
+    def step() -> float:
+        begin = time.perf_counter()
+        run(x).float().pow(2).mean().backward()
+        dev.sync()
+        return time.perf_counter() - begin
+
+    dev.sync()
+    with _bypass_reasons() as reasons:
+        first_s = step()
+    steady_s = statistics.median(step() for _ in range(STEADY_STEPS))
+    result = {"first_step_s": first_s, "steady_step_s": steady_s,
+              "compile_s": first_s - steady_s, "backend_setup_s": setup_s,
+              "bypass_reasons": sorted(reasons)}
+    for group, names in CACHE_COUNTERS.items():
+        result.update({name: counters[group][name] for name in names})
+    return result
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: first line`` of a failure, looking through Dynamo's backend-failure wrapper."""
+    cause = getattr(error, "inner_exception", None) or error
+    first_line = (str(cause).strip().splitlines() or [""])[0]
+    return f"{type(cause).__name__}: {first_line}"
+
+
+def _run_child(backend: str, layers: int, device: str, cache: Path, stderr_path: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+           "TRITON_CACHE_DIR": str(cache / "triton")}
+    command = [sys.executable, "-m", "benchmarks.compile_time", "--child", "--backend", backend,
+               "--layers", str(layers), "--device", device]
+    begin = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S, cwd=Path(__file__).resolve().parent.parent)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {CHILD_TIMEOUT_S} s", "stderr_errors": 0,
+                "stderr_warnings": 0}
+    stderr_path.write_text(done.stderr)
+    lines = done.stderr.splitlines()
+    row = {"process_s": time.perf_counter() - begin, "stderr": str(stderr_path),
+           "stderr_errors": sum(any(m in line for m in STDERR_MARKERS) for line in lines),
+           "stderr_warnings": sum(bool(WARNING_RE.search(line)) for line in lines)}
+    json_lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if not json_lines:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return {**row, "error": last}
+    return {**row, **json.loads(json_lines[-1])}
+
+
+def measure(backend: str, layers: int, device: str, out_dir: Path) -> dict:
+    """Cold then warm first-step times of one backend and size, in two fresh processes."""
+    row = {"model": f"gpt-L{layers}", "backend": backend}
+    with tempfile.TemporaryDirectory(prefix="storm-compile-time-") as cache:
+        for phase in ("cold", "warm"):
+            stderr_path = out_dir / f"stderr_{row['model']}_{backend}_{phase}.txt"
+            row[phase] = _run_child(backend, layers, device, Path(cache), stderr_path)
+            print(f"[{row['model']}] {backend} {phase}: "
+                  f"{row[phase].get('error') or '%.1f s' % row[phase]['first_step_s']}",
+                  flush=True)
+    return row
+
+
+def _seconds(row: dict | None, phase: str) -> float | None:
+    return None if row is None else row[phase].get("first_step_s")
+
+
+def _counts(row: dict, group: str) -> str:
+    """``hit/miss/bypass`` of one cache, cold then warm (``-`` where a child failed)."""
+    def one(phase: dict) -> str:
+        if "error" in phase:
+            return "-"
+        return "/".join(str(phase[name]) for name in CACHE_COUNTERS[group])
+
+    return f"{one(row['cold'])}; {one(row['warm'])}"
+
+
+def markdown(rows: list[dict]) -> str:
+    inductor = {r["model"]: r for r in rows if r["backend"] == "inductor"}
+    table = []
+    for r in rows:
+        ref = None if r["backend"] == "inductor" else inductor.get(r["model"])
+        table.append({
+            "model": r["model"], "backend": r["backend"],
+            "cold s": _seconds(r, "cold"), "warm s": _seconds(r, "warm"),
+            "cold × inductor": _ratio(_seconds(r, "cold"), _seconds(ref, "cold")),
+            "warm × inductor": _ratio(_seconds(r, "warm"), _seconds(ref, "warm")),
+            "FX graph cache hit/miss/bypass (cold; warm)": _counts(r, "inductor"),
+            "AOT autograd cache hit/miss/bypass (cold; warm)": _counts(r, "aot_autograd"),
+            "stderr errors (cold; warm)":
+                f"{r['cold']['stderr_errors']}; {r['warm']['stderr_errors']}",
+            "stderr warnings (cold; warm)":
+                f"{r['cold']['stderr_warnings']}; {r['warm']['stderr_warnings']}",
+            "error": r["cold"].get("error") or r["warm"].get("error"),
+        })
+    reasons = sorted({reason for r in rows for phase in ("cold", "warm")
+                      for reason in r[phase].get("bypass_reasons", ())})
+    notes = "".join(f"\n- {reason}" for reason in reasons)
+    return tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g",
+                    missingval="") + (f"\nCache bypass reasons:\n{notes}\n" if notes else "\n")
+
+
+def write(out_dir: Path, results: dict, table: str) -> str:
+    """Write ``results.json`` and ``results.md``; after every row, so a run cut short by a time
+    limit leaves what it measured."""
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "results.md").write_text(table)
+    return table
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", default="8,32", help="comma-separated layer counts")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/compile-time"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.layers = [int(n) for n in args.layers.split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.child:
+        try:
+            result = child(args.backend, args.layers[0], args.device)
+        except Exception as error:  # reported in the parent's row; the run goes on
+            print(json.dumps({"error": error_line(error)}), flush=True)
+            return 1
+        print(json.dumps(result), flush=True)
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("compile_time: no CUDA device; run with --device cpu for the CPU variant",
+              file=sys.stderr)
+        return EXIT_NO_CUDA
+    args.out.mkdir(parents=True, exist_ok=True)
+    environment = {"torch": torch.__version__, "python": platform.python_version(),
+                   "device": torch.cuda.get_device_name() if args.device == "cuda"
+                   else platform.processor(),
+                   "shape": {k: v for k, v in dataclasses.asdict(_shape(args.device)).items()
+                             if k != "layers"}}
+    rows = []
+    for layers in args.layers:
+        for backend in BACKENDS:
+            rows.append(measure(backend, layers, args.device, args.out))
+            table = write(args.out, {"environment": environment, "rows": rows}, markdown(rows))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

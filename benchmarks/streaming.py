@@ -1,0 +1,374 @@
+"""Weights in host memory: a Llama preset trained with its parameters streamed under storm,
+beside uncapped torch.compile and FSDP2's CPU offload on one rank, in one run.
+
+Every method starts from the same bf16 weights (``--preset``, optionally fewer ``--layers``)
+and sees the same batches; the optimizer is AdamW (``fused=True``) where the parameters live:
+
+* ``compile``: the whole model, its gradients and AdamW's state on the GPU, ``torch.compile``
+  with Inductor, no memory cap (the reference).
+* ``storm``: :func:`~storm_compile.streaming.stream_parameters` keeps the parameters of 1 MiB or
+  more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``, AdamW on
+  the host; the process's GPU memory capped at ``--cap-gib`` with
+  ``torch.cuda.set_per_process_memory_fraction``.
+* ``fsdp2-offload``: ``fully_shard`` on every block and the root with ``CPUOffloadPolicy`` on a
+  one-rank process group (torch's hook-based offload), eager, AdamW on the host, same cap.
+
+Two parts, both optional:
+
+* loss (``--loss-steps N``): N optimizer steps of one micro-batch of ``--loss-tokens`` tokens,
+  every method's loss of every step, and the largest difference against ``compile``;
+* throughput: for each tokens per micro-batch in ``--tokens`` and micro-batches per optimizer
+  step in ``--micro-batches``, ``--steps`` timed optimizer steps after one untimed one: tokens/s,
+  achieved TFLOP/s (model FLOPs: 6 per parameter per token plus causal attention's
+  6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory,
+  and for storm its plans' predicted tokens/s (forward and backward; the host optimizer is
+  measured, not predicted, and is added to the prediction as measured).
+
+    python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
+        [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]
+        [--reference-losses earlier/results.json]
+
+``--smoke`` runs the harness on the CPU (tiny preset, storm with ``transfer_cpu_tensors``).
+Writes ``results.json`` and ``results.md`` after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+from torch import nn
+
+from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
+from benchmarks.compile_time import error_line, write
+from storm_compile.backend import StormBackend
+from storm_compile.config import StormConfig
+from storm_compile.graphs import StormGraphs
+from storm_compile.models import LLAMA_PRESETS, LlamaShape, Llama
+from storm_compile.simulate import simulate
+from storm_compile.streaming import DEFAULT_RESIDENT_BYTES, stream_parameters
+from storm_compile.vocabulary import GIB, MS
+
+REFERENCE = "compile"
+METHODS = ("compile", "storm", "fsdp2-offload")
+LEARNING_RATE = 3e-4
+"""A usual AdamW rate for models of this size: the loss moves visibly within 100 steps."""
+MODEL_SEED = 0
+DATA_SEED = 1_000
+"""Micro-batch ``i`` of a run is drawn from seed ``DATA_SEED + i``: the same for every method."""
+FLOPS_PER_PARAMETER_TOKEN = 6
+"""Forward and backward of a weight matrix: 2 + 4 FLOP per parameter per token."""
+ATTENTION_FLOPS = 6
+"""Causal attention, forward and backward, per layer, d_model unit and key position, per token
+(12 for full attention, halved by the mask)."""
+SMOKE_SHAPE = dataclasses.replace(LLAMA_PRESETS["tiny"], batch=1)
+SMOKE_RESIDENT_BYTES = 4096
+"""The tiny preset's parameters are all below the default ``resident_bytes``; the smoke run
+streams all but its norms."""
+
+
+@dataclasses.dataclass
+class _Run:
+    """A method ready to train: ``step(micro_batches)`` runs one optimizer step, returning the
+    loss of the last micro-batch and the optimizer's seconds."""
+
+    step: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], tuple[float, float]]
+    predicted_s: Callable[[], float | None]
+
+
+def _model(shape: LlamaShape) -> nn.Module:
+    torch.manual_seed(MODEL_SEED)
+    return Llama(shape, device="cpu", dtype=getattr(torch, shape.dtype))
+
+
+def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Tensor, ...]]:
+    batches = []
+    for index in range(count):
+        generator = torch.Generator().manual_seed(DATA_SEED + index)
+        tokens = torch.randint(shape.vocab, (shape.batch, shape.seq + 1), generator=generator)
+        batches.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
+    return batches
+
+
+def _trainer(forward: Callable, optimizer: torch.optim.Optimizer, sync: Callable[[], None]
+             ) -> Callable:
+    def step(micro_batches):
+        for tokens, targets in micro_batches:
+            loss = forward(tokens, targets) / len(micro_batches)
+            loss.backward()
+        sync()
+        begin = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad()
+        sync()
+        return loss.item() * len(micro_batches), time.perf_counter() - begin
+    return step
+
+
+def _cap(gib: float | None, cuda: bool) -> None:
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(1.0 if gib is None else
+                                                   min(1.0, gib * GIB / total))
+
+
+def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
+    _cap(None, cuda)
+    model = _model(shape).to(args.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+    return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda: None)
+
+
+def _storm(shape: LlamaShape, args, cuda: bool) -> _Run:
+    _cap(args.cap_gib, cuda)
+    model = _model(shape)
+    stream_parameters(model, args.device, resident_bytes=args.resident_bytes)
+    options = {"memory_budget": args.budget} if args.budget is not None else {}
+    if not cuda:
+        options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
+    predicted: list[float] = []
+
+    def observe(graphs: StormGraphs) -> None:
+        """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
+        predicted.append(simulate(graphs, backend.ctx.cost).step_s)
+
+    backend = StormBackend(StormConfig.from_options(**options), observer=observe)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+    return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync),
+                lambda: sum(predicted) if predicted else None)
+
+
+def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
+    if not cuda:
+        raise RuntimeError("fsdp2-offload needs CUDA (one NCCL rank)")
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    _cap(args.cap_gib, cuda)
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    model = _model(shape)
+    for block in model.blocks:
+        fully_shard(block, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
+    return _Run(_trainer(model, optimizer, args.sync), lambda: None)
+
+
+BUILDERS = {"compile": _compile, "storm": _storm, "fsdp2-offload": _fsdp2_offload}
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    torch._dynamo.reset()
+
+
+def _model_flops(shape: LlamaShape, tokens: int) -> float:
+    matrices = shape.parameters - shape.vocab * shape.d_model * (
+        0 if shape.tie_embeddings else 1)
+    return tokens * (FLOPS_PER_PARAMETER_TOKEN * matrices
+                     + ATTENTION_FLOPS * shape.layers * shape.d_model * shape.seq)
+
+
+def _losses(shape: LlamaShape, args, cuda: bool, method: str) -> dict | str:
+    """Every step's loss, the median step's seconds and the peak device memory of the run."""
+    batches = _batches(shape, args.loss_steps, args.device)
+    try:
+        run = BUILDERS[method](shape, args, cuda)
+        losses, seconds = [], []
+        for index, batch in enumerate(batches):
+            begin = time.perf_counter()
+            losses.append(run.step([batch])[0])
+            seconds.append(time.perf_counter() - begin)
+            print(f"{method} step {index}: loss {losses[-1]:.4f}", flush=True)
+        return {"losses": losses, "step_ms": statistics.median(seconds) * MS,
+                "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None}
+    except Exception as error:  # noqa: BLE001 - a failing method is a result, not a crash
+        return error_line(error)
+    finally:
+        _release()
+
+
+def _loss_summary(runs: dict[str, dict | str]) -> dict:
+    reference = runs.get(REFERENCE)
+    summary = {}
+    for method, run in runs.items():
+        if isinstance(run, str) or isinstance(reference, str):
+            summary[method] = run if isinstance(run, str) else "no reference"
+            continue
+        gaps = [abs(a - b) for a, b in zip(run["losses"], reference["losses"])]
+        summary[method] = {"max_abs_diff": max(gaps),
+                           "max_rel_diff": max(g / abs(b) for g, b in
+                                               zip(gaps, reference["losses"])),
+                           "first": run["losses"][0], "last": run["losses"][-1],
+                           "step_ms": run["step_ms"], "peak_gib": run["peak_gib"]}
+    return {"runs": runs, "summary": summary}
+
+
+def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
+                    cuda: bool) -> dict:
+    row = {"method": method, "tokens": shape.batch * shape.seq, "micro_batches": micro_batches}
+    try:
+        run = BUILDERS[method](shape, args, cuda)
+        batches = _batches(shape, micro_batches, args.device)
+        run.step(batches)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        step_s, optimizer_s = [], []
+        for _ in range(args.steps):
+            begin = time.perf_counter()
+            optimizer_s.append(run.step(batches)[1])
+            step_s.append(time.perf_counter() - begin)
+        step = min(step_s)
+        tokens = row["tokens"] * micro_batches
+        row.update(step_ms=step * MS, tokens_per_s=tokens / step,
+                   tflops=_model_flops(shape, tokens) / step / 1e12,
+                   optimizer_ms=min(optimizer_s) * MS,
+                   peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
+        predicted = run.predicted_s()
+        if predicted is not None:
+            whole = predicted * micro_batches + min(optimizer_s)
+            row.update(pred_tokens_per_s=tokens / whole,
+                       pred_error=(tokens / whole) / row["tokens_per_s"] - 1)
+    except Exception as error:  # noqa: BLE001 - a failing method is a result, not a crash
+        row["error"] = error_line(error)
+    _release()
+    return row
+
+
+def markdown(results: dict) -> str:
+    parts = []
+    loss = results.get("loss")
+    if loss:
+        rows = [[m, s] if isinstance(s, str) else
+                [m, f"{s['first']:.4f}", f"{s['last']:.4f}", f"{s['max_abs_diff']:.4f}",
+                 f"{s['max_rel_diff']:.2%}", f"{s['step_ms']:.0f}",
+                 "" if s["peak_gib"] is None else f"{s['peak_gib']:.2f}"]
+                for m, s in loss["summary"].items()]
+        parts.append(tabulate(rows, headers=["method", "first loss", "last loss",
+                                             f"max |Δ| vs {REFERENCE}", "max relative",
+                                             "median step ms", "peak GiB"],
+                              tablefmt="github"))
+    reference = {(r["tokens"], r["micro_batches"]): r for r in results["throughput"]
+                 if r["method"] == REFERENCE and "error" not in r}
+    rows = []
+    for row in results["throughput"]:
+        if "error" in row:
+            rows.append([row["method"], row["tokens"], row["micro_batches"], row["error"]])
+            continue
+        base = reference.get((row["tokens"], row["micro_batches"]))
+        rows.append([row["method"], row["tokens"], row["micro_batches"],
+                     f"{row['tokens_per_s']:.0f}",
+                     "" if base is None else f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}",
+                     f"{row['tflops']:.1f}", f"{row['optimizer_ms']:.0f}",
+                     "" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}",
+                     f"{row['pred_tokens_per_s']:.0f} ({row['pred_error']:+.0%})"
+                     if "pred_tokens_per_s" in row else ""])
+    if rows:
+        parts.append(tabulate(rows, headers=["method", "tokens/µbatch", "µbatches", "tokens/s",
+                                             f"× {REFERENCE}", "TFLOP/s", "optimizer ms",
+                                             "peak GiB", "predicted tokens/s"],
+                              tablefmt="github"))
+    return "\n\n".join(parts) + "\n"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="3b", choices=sorted(LLAMA_PRESETS))
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the preset")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence")
+    parser.add_argument("--cap-gib", type=float, default=16.0,
+                        help="GPU memory cap of the storm and fsdp2-offload runs")
+    parser.add_argument("--budget", default=None, help="storm's memory_budget (default: none)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--tokens", default="", help="comma-separated tokens per micro-batch")
+    parser.add_argument("--micro-batches", default="1", help="comma-separated, per step")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per point")
+    parser.add_argument("--loss-steps", type=int, default=0)
+    parser.add_argument("--loss-tokens", type=int, default=4096)
+    parser.add_argument("--reference-losses", type=Path, default=None,
+                        help=f"results.json of an earlier run of the same shape and steps: its "
+                             f"{REFERENCE} losses are the reference, and {REFERENCE} is not "
+                             f"trained again")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke run of the harness")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/streaming"))
+    args = parser.parse_args(argv)
+    args.methods = [REFERENCE] + [m for m in args.methods.split(",") if m and m != REFERENCE]
+    unknown = [m for m in args.methods if m not in BUILDERS]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; known: {', '.join(BUILDERS)}")
+    args.tokens, args.micro_batches = _ints(args.tokens), _ints(args.micro_batches)
+    return args
+
+
+def _shape(args, tokens: int) -> LlamaShape:
+    shape = SMOKE_SHAPE if args.smoke else LLAMA_PRESETS[args.preset]
+    seq = args.seq or shape.seq
+    if tokens % seq:
+        raise SystemExit(f"streaming: {tokens} tokens per micro-batch is not a multiple of "
+                         f"the sequence length {seq}")
+    return dataclasses.replace(shape, layers=args.layers or shape.layers, seq=seq,
+                               batch=tokens // seq)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        print("streaming: no CUDA device; the GPU benchmark needs one (--smoke runs the "
+              "harness on the CPU)", file=sys.stderr)
+        return EXIT_NO_CUDA
+    args.device = "cuda" if cuda else "cpu"
+    args.resident_bytes = DEFAULT_RESIDENT_BYTES if cuda else SMOKE_RESIDENT_BYTES
+    args.sync = torch.cuda.synchronize if cuda else (lambda: None)
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = _shape(args, args.loss_tokens)
+    results = {"environment": {"torch": torch.__version__, "python": platform.python_version(),
+                               "device": torch.cuda.get_device_name() if cuda
+                               else platform.processor()},
+               "shape": dataclasses.asdict(shape), "cap_gib": args.cap_gib,
+               "budget": args.budget, "throughput": []}
+    runs: dict[str, dict | str] = {}
+    if args.reference_losses is not None:
+        saved = json.loads(args.reference_losses.read_text())
+        if saved["shape"] != results["shape"]:
+            raise SystemExit(f"streaming: --reference-losses {args.reference_losses} ran "
+                             f"another shape")
+        runs[REFERENCE] = saved["loss"]["runs"][REFERENCE]
+    for method in args.methods if args.loss_steps else ():
+        if method not in runs:
+            runs[method] = _losses(shape, args, cuda, method)
+        results["loss"] = _loss_summary(runs)
+        write(args.out, results, markdown(results))
+    for tokens in args.tokens:
+        for micro_batches in args.micro_batches:
+            for method in args.methods:
+                row = _throughput_row(method, _shape(args, tokens), micro_batches, args, cuda)
+                results["throughput"].append(row)
+                print(row, flush=True)
+                write(args.out, results, markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

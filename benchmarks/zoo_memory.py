@@ -1,0 +1,193 @@
+"""Each model of the zoo on one GPU: storm against torch.compile, in the same run.
+
+For every zoo model (``bench`` size, bf16 parameters, cuda) and every method (``compile``:
+Inductor, the reference; ``storm``: storm's defaults; ``storm-budget-0.5``:
+``memory_budget=0.5``): a fresh model from the same seed and ``torch._dynamo.reset()``, warm-up
+steps, then fw+bw steps timed with CUDA events (median), activation memory (allocated at the end
+of the forward minus before it: what the step holds for the backward), the step's peak above the
+same baseline (after ``reset_peak_memory_stats``) and the largest relative gradient error
+against ``compile``. A method that fails records its error in its row and the run goes on.
+
+    python -m benchmarks.zoo_memory --out DIR [--models llama,gpt2] [--steps 10]
+    python -m benchmarks.zoo_memory --smoke --out DIR     # CPU, tiny sizes: the harness itself
+
+Writes ``results.md`` (one tabulate table, model × method) and ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+from torch import nn
+
+from benchmarks import model_zoo
+from benchmarks.activation_memory import (CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _gib,
+                                          _grad_error, _minus, _ratio)
+from benchmarks.compile_time import error_line, write
+from storm_compile import storm
+from storm_compile.config import PRESETS
+
+REFERENCE = "compile"
+METHODS = (REFERENCE, "storm", "storm-budget-0.5")
+"""Inductor, then the storm presets of :data:`storm_compile.config.PRESETS` measured here."""
+MODEL_SEED = 0
+"""Every method's model is built after this seed: the same weights for all."""
+DATA_SEED = 1
+"""Seed of the one batch every step of every method runs."""
+STEP_SEED = 2
+"""Set before each step, so random ops (dropout) draw the same numbers under every method."""
+
+
+def wrap(method: str, model: nn.Module, storm_options: dict | None = None) -> Callable:
+    """``model`` compiled by ``method``: Inductor, or the storm preset of that name with
+    ``storm_options`` on top."""
+    if method == REFERENCE:
+        return torch.compile(model)
+    return torch.compile(model, backend=storm(**{**PRESETS[method], **(storm_options or {})}))
+
+
+def _zero_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameter gradients in float32 on the host (a parameter without one reads as zeros), so
+    the reference kept across methods holds no device memory."""
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu()
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
+def run_method(name: str, method: str, dev: _Device, args, reference: dict | None) -> dict:
+    """Measure one method on one zoo model; its gradients go in ``"grads"`` for the reference."""
+    torch._dynamo.reset()
+    torch.manual_seed(MODEL_SEED)
+    case = model_zoo.build(name, args.size, device=args.device, dtype=args.dtype)
+    inputs = case.batch(DATA_SEED)
+    run = wrap(method, case.model, None if dev.cuda else CPU_STORM_OPTIONS)
+    held: dict[str, int | None] = {}
+
+    def step() -> None:
+        _zero_grads(case.model)
+        torch.manual_seed(STEP_SEED)
+        held["before"] = dev.allocated()
+        out = run(*inputs)
+        held["activation"] = _minus(dev.allocated(), held["before"])
+        case.loss(out).backward()
+
+    for _ in range(args.warmup):
+        step()
+    _zero_grads(case.model)
+    dev.sync()
+    dev.reset_peak()
+    step()
+    dev.sync()
+    peak = _minus(dev.peak(), held["before"])
+    times: list[float] = []
+    for _ in range(args.steps):
+        with dev.timer(times):
+            step()
+    row = {"model": name, "method": method, "step_ms": statistics.median(times),
+           "activation_gib": _gib(held["activation"]), "peak_gib": _gib(peak),
+           "grads": _grads(case.model)}
+    if reference is not None:
+        row["grad_rel_error"] = _grad_error(row["grads"], reference)
+    return row
+
+
+def run_model(name: str, dev: _Device, args) -> list[dict]:
+    rows, reference = [], None
+    for method in METHODS:
+        try:
+            row = run_method(name, method, dev, args, reference)
+            grads = row.pop("grads")
+            if method == REFERENCE:
+                reference = grads
+        except Exception as error:  # a failing method is reported in its row; the run goes on
+            row = {"model": name, "method": method, "error": error_line(error)}
+        finally:
+            gc.collect()
+            if dev.cuda:
+                torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"[{name}] {method}: {row.get('error') or '%.2f ms' % row['step_ms']}", flush=True)
+    return rows
+
+
+def _peak_above_reference(row: dict, ref: dict) -> str:
+    if row is ref or row.get("peak_gib") is None or ref.get("peak_gib") is None:
+        return ""
+    return "yes" if row["peak_gib"] > ref["peak_gib"] else "no"
+
+
+def markdown(rows: list[dict]) -> str:
+    references = {r["model"]: r for r in rows if r["method"] == REFERENCE and "step_ms" in r}
+    table = []
+    for r in rows:
+        ref = references.get(r["model"], {})
+        if "error" in r:
+            table.append({"model": r["model"], "method": r["method"], "error": r["error"]})
+            continue
+        table.append({
+            "model": r["model"], "method": r["method"], "step ms": r["step_ms"],
+            "step × compile": _ratio(r["step_ms"], ref.get("step_ms")),
+            "act GiB": r["activation_gib"], "peak GiB": r["peak_gib"],
+            "peak > compile": _peak_above_reference(r, ref),
+            "grad err": r.get("grad_rel_error"),
+        })
+    return tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g",
+                    missingval="") + "\n"
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(model_zoo.ZOO_NAMES),
+                        help=f"comma-separated, from {', '.join(model_zoo.ZOO_NAMES)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU, tiny sizes, fp32, one warm-up and two timed steps")
+    parser.add_argument("--out", type=Path, default=Path("bench-out/zoo"))
+    args = parser.parse_args(argv)
+    args.models = args.models.split(",")
+    unknown = [m for m in args.models if m not in model_zoo.ZOO_NAMES]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; known: {', '.join(model_zoo.ZOO_NAMES)}")
+    if args.smoke:
+        args.size, args.device, args.dtype, args.warmup, args.steps = \
+            "tiny", "cpu", torch.float32, 1, 2
+    else:
+        args.size, args.device, args.dtype = "bench", "cuda", torch.bfloat16
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("zoo_memory: no CUDA device; the GPU benchmark needs one "
+              "(--smoke runs the harness on the CPU)", file=sys.stderr)
+        return EXIT_NO_CUDA
+    dev = _Device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    environment = {"torch": torch.__version__, "python": platform.python_version(),
+                   "device": torch.cuda.get_device_name() if dev.cuda else platform.processor(),
+                   "size": args.size, "dtype": str(args.dtype), "warmup": args.warmup,
+                   "steps": args.steps}
+    rows = []
+    for name in args.models:
+        rows += run_model(name, dev, args)
+        table = write(args.out, {"environment": environment, "rows": rows}, markdown(rows))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

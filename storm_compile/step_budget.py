@@ -1,0 +1,135 @@
+"""One memory budget for the whole training step, however many graphs dynamo makes of it.
+
+A step is often several compiled graphs: graph breaks, DDPOptimizer's one graph per gradient
+bucket, FSDP2's hooks. A user's ``memory_budget`` is about the step, so each graph is planned
+knowing what the graphs compiled before it planned. Graphs are planned in the order dynamo
+compiles them (for DDP, every bucket's piece during the first forward), and a
+:class:`StepBudget` keeps one :class:`GraphShare` per graph of the step, keyed by the frame that
+made it and its position within that frame's compilation; a recompilation of the same frame
+(new shapes, a failed guard) replaces that frame's graphs.
+
+How graph ``k`` is planned, with ``B`` and ``A`` summing the other graphs' activation memory
+without storm and as planned:
+
+* a fraction ``f``: ``f * (B + b_k) - A``, within ``[minimum_k, b_k]``: the step so far stays
+  at ``f`` of its activations; a graph too small to reach its share does what it can and the
+  later ones make up the difference where they can;
+* bytes: what the others left, ``budget - A``. If even this graph's minimum does not fit, the
+  step's minimum (every graph's minimum summed) is compared with the budget: above it, the
+  budget is infeasible for the step (:class:`StormBudgetError`, stating the step's minimum);
+  below it, the earlier graphs, planned before this one existed, took the room, so this graph
+  keeps its minimum and storm warns once how far the step is over;
+* ``"auto"``: the step-time allowance ``max_overhead`` is the step's, shared the same way: a
+  graph may spend ``max_overhead * (S + s_k)`` less what the other graphs spent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from storm_compile.vocabulary import GIB
+
+NO_FRAME = -1
+"""Frame id of graphs compiled outside dynamo (the CLI traces with AOTAutograd directly)."""
+
+
+class StormBudgetError(ValueError):
+    """The memory budget cannot be met by the step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphShare:
+    """One compiled graph's part of the step, as planned."""
+
+    baseline_bytes: int
+    """Activation memory the graph holds without storm."""
+    minimum_bytes: int
+    """The least activation memory the graph allows."""
+    planned_bytes: int
+    """Activation memory storm's plan is predicted to hold."""
+    baseline_step_s: float
+    spent_s: float
+    """Predicted step time the plan adds."""
+
+
+GraphId = tuple[int, int, int]
+"""(frame id, compilation of that frame, position of the graph in that compilation)."""
+
+
+def current_graph_id(counter: dict[tuple[int, int], int]) -> GraphId:
+    """The id of the graph about to be planned; ``counter`` numbers graphs per compilation."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    frame = (NO_FRAME, 0) if compile_id is None else (compile_id.frame_id,
+                                                     compile_id.frame_compile_id)
+    position = counter.get(frame, 0)
+    counter[frame] = position + 1
+    return (*frame, position)
+
+
+class StepBudget:
+    """The graphs of one backend's step and what each planned; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._shares: dict[GraphId, GraphShare] = {}
+        self._positions: dict[tuple[int, int], int] = {}
+        self._warned = False
+
+    def next_graph(self) -> GraphId:
+        return current_graph_id(self._positions)
+
+    def _others(self, graph: GraphId) -> list[GraphShare]:
+        """Shares of the step's other graphs: a later compilation of a frame replaces its
+        earlier graphs."""
+        latest: dict[int, int] = {}
+        for frame, compilation, _ in self._shares:
+            latest[frame] = max(latest.get(frame, compilation), compilation)
+        latest[graph[0]] = max(latest.get(graph[0], graph[1]), graph[1])
+        return [share for key, share in self._shares.items()
+                if key != graph and key[1] == latest[key[0]]]
+
+    def snapshot(self, graph: GraphId) -> tuple:
+        """What this graph's plan depends on: the other graphs' shares (for cache keys)."""
+        return tuple(sorted(dataclasses.astuple(s) for s in self._others(graph)))
+
+    def target_bytes(self, graph: GraphId, budget: int | float, baseline: int,
+                     minimum: int) -> int:
+        """Activation memory this graph should reach for a byte or fraction budget."""
+        others = self._others(graph)
+        held = sum(s.planned_bytes for s in others)
+        if isinstance(budget, float):
+            share = budget * (sum(s.baseline_bytes for s in others) + baseline) - held
+            return int(min(max(share, minimum), baseline))
+        if budget - held >= minimum:
+            return int(min(budget - held, baseline))
+        step_minimum = minimum + sum(s.minimum_bytes for s in others)
+        if step_minimum > budget:
+            raise StormBudgetError(
+                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the minimum "
+                f"feasible for the step: its {len(others) + 1} graph(s) compiled so far must "
+                f"hold at least {step_minimum} bytes ({step_minimum / GIB:.3f} GiB) at the end "
+                f"of the forward (outputs, views of inputs, tensors under min_offload_bytes)")
+        self._warn_over(held + minimum - budget)
+        return minimum
+
+    def allowance_s(self, graph: GraphId, baseline_step_s: float, max_overhead: float) -> float:
+        """Predicted step time this graph's plan may add under ``memory_budget="auto"``."""
+        others = self._others(graph)
+        step = sum(s.baseline_step_s for s in others) + baseline_step_s
+        return max(0.0, max_overhead * step - sum(s.spent_s for s in others))
+
+    def record(self, graph: GraphId, share: GraphShare) -> None:
+        self._shares[graph] = share
+
+    def _warn_over(self, excess: int) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"storm: the step's activation memory is planned {excess} bytes "
+            f"({excess / GIB:.3f} GiB) over memory_budget: graphs compiled earlier in the step "
+            f"were planned before this one existed and took the room; a fraction budget "
+            f"(such as 0.5) shares the step between its graphs as they arrive",
+            RuntimeWarning, stacklevel=2)

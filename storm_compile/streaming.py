@@ -1,0 +1,220 @@
+"""Parameters kept in host memory and read on the device through a copy in the traced graph.
+
+``stream_parameters(model, device)`` moves each parameter of at least ``resident_bytes`` to host
+memory (pinned when CUDA is present) and registers a parametrization on it, so that reading
+``module.weight`` inside ``forward`` becomes ``storm.fetch_weight(host_weight, device)``: a copy
+to the device whose gradient, ``storm.grad_to_host``, lands in the host parameter's ``.grad``.
+The model's code is not changed; ``state_dict`` and ``load_state_dict`` keep the model's own
+keys; any optimizer over ``model.parameters()`` updates the host copies (a CPU optimizer such as
+``torch.optim.AdamW(..., fused=True)`` runs where they live).
+
+Under ``torch.compile(backend=storm(...))`` the device copy of a weight is never saved for the
+backward: :func:`refetch_in_backward` tags every fetch of the joint graph for recomputation, so
+the partitioner fetches it again where the backward first needs it; and the gradients of a
+weight read more than once (tied embeddings) are summed on the device and sent home once
+(:func:`sum_gradients_on_device`). Eager mode and other
+backends run the same copies in program order: correct, with nothing hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import fx, nn
+from torch.nn.utils import parametrize
+from torch.utils.checkpoint import CheckpointPolicy
+
+from storm_compile import ops
+from storm_compile.vocabulary import GIB, MIB, RECOMPUTE_TAG, tensor_bytes
+
+DEFAULT_RESIDENT_BYTES = 1 * MIB
+"""Parameters smaller than this stay on the device: a copy pays ~25 µs of fixed latency on the
+H100 whatever its size (norm weights, biases), and together they are a few MiB."""
+
+HOST_COPIES = 2
+"""Host bytes per streamed parameter byte that exist whatever the optimizer: the parameter and
+its gradient."""
+
+
+class StormHostMemoryError(MemoryError):
+    """The host cannot hold what streaming puts there."""
+
+
+class _Fetch(nn.Module):
+    """The parametrization of a streamed parameter: its device copy."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.storm.fetch_weight(weight, self.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Streamed:
+    """What :func:`stream_parameters` did."""
+
+    names: tuple[str, ...]
+    """Parameters now in host memory, by their ``named_parameters`` names before streaming."""
+    host_bytes: int
+    """Bytes of those parameters."""
+    resident: tuple[str, ...]
+    """Parameters left on the device (smaller than ``resident_bytes``)."""
+
+
+def available_host_bytes() -> int:
+    """Host memory the kernel can still give (``MemAvailable``), or physical memory where that
+    is not reported."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _rename(prefix: str, names: tuple[str, ...], state: dict, to_original: bool) -> None:
+    for name in names:
+        original = f"{prefix}parametrizations.{name}.original"
+        plain = f"{prefix}{name}"
+        source, target = (plain, original) if to_original else (original, plain)
+        if source in state:
+            state[target] = state.pop(source)
+
+
+def _register_state_dict_names(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Keep the model's own state_dict keys (``weight``, not
+    ``parametrizations.weight.original``) on save and on load."""
+    module._register_state_dict_hook(
+        lambda mod, state, prefix, metadata: _rename(prefix, names, state, to_original=False))
+    module.register_load_state_dict_pre_hook(
+        lambda mod, state, prefix, *rest: _rename(prefix, names, state, to_original=True))
+
+
+def stream_parameters(model: nn.Module, device: torch.device | str,
+                      resident_bytes: int = DEFAULT_RESIDENT_BYTES, *,
+                      host_check: bool = True) -> Streamed:
+    """Move ``model``'s parameters of at least ``resident_bytes`` to host memory, read on
+    ``device`` through ``storm.fetch_weight``; smaller ones move to ``device`` and stay there.
+
+    Raises :class:`StormHostMemoryError`, before anything moves, when the host does not have
+    room for the streamed parameters and their gradients (``host_check=False`` skips that, for
+    a model of fake tensors planned for another machine); ``ValueError`` when ``model``
+    already streams."""
+    device = torch.device(device)
+    if any(parametrize.is_parametrized(m) for m in model.modules()):
+        raise ValueError("stream_parameters: the model already has parametrizations (streamed "
+                         "already?); call it once, on a plain model")
+    streamed, resident = [], []
+    owners: dict[nn.Module, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{name}" if module_name else name
+            big = param.numel() * param.element_size() >= resident_bytes
+            (streamed if big else resident).append((full, param))
+            if big:
+                owners.setdefault(module, []).append(name)
+    unique = {id(p): p for _, p in streamed}
+    host_bytes = sum(p.numel() * p.element_size() for p in unique.values())
+    available = available_host_bytes()
+    if host_check and HOST_COPIES * host_bytes > available:
+        raise StormHostMemoryError(
+            f"stream_parameters: the streamed parameters and their gradients need "
+            f"{HOST_COPIES * host_bytes} bytes ({HOST_COPIES * host_bytes / GIB:.2f} GiB) of "
+            f"host memory; {available} bytes ({available / GIB:.2f} GiB) are available")
+    pin = torch.cuda.is_available()
+    for param in unique.values():
+        host = param.data.to("cpu")
+        param.data = host.pin_memory() if pin else host
+    for _, param in resident:
+        param.data = param.data.to(device)
+    for module, names in owners.items():
+        for name in names:
+            parametrize.register_parametrization(module, name, _Fetch(device), unsafe=True)
+        _register_state_dict_names(module, tuple(names))
+    return Streamed(names=tuple(n for n, _ in streamed), host_bytes=host_bytes,
+                    resident=tuple(n for n, _ in resident))
+
+
+def refetch_in_backward(joint: fx.GraphModule) -> int:
+    """Tag every ``storm.fetch_weight`` of the joint graph for recomputation, so the partitioner
+    never saves a weight's device copy for the backward and fetches it again there instead.
+    Returns how many fetches it tagged."""
+    fetches = joint.graph.find_nodes(op="call_function", target=ops.fetch_weight)
+    for node in fetches:
+        node.meta[RECOMPUTE_TAG] = CheckpointPolicy.MUST_RECOMPUTE
+    return len(fetches)
+
+
+def sum_gradients_on_device(joint: fx.GraphModule) -> int:
+    """Rewrite ``add(grad_to_host(a, host), grad_to_host(b, host))`` of the joint graph, the
+    gradient of a weight read twice (a tied embedding), into ``grad_to_host(add(a, b), host)``:
+    one copy home instead of two, and the sum on the device instead of on the host inside the
+    backward. Longer sums are rewritten pair by pair. Returns how many adds it rewrote."""
+    graph, rewritten = joint.graph, 0
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)):
+        sends = node.args
+        if len(sends) != 2 or node.kwargs or not all(
+                isinstance(a, fx.Node) and a.target is ops.grad_to_host and len(a.users) == 1
+                for a in sends):
+            continue
+        (left, host), (right, _) = (a.args for a in sends)
+        with graph.inserting_before(node):
+            total = graph.call_function(torch.ops.aten.add.Tensor, (left, right))
+            total.meta["val"] = left.meta["val"] + right.meta["val"]
+            home = graph.call_function(ops.grad_to_host, (total, host))
+            home.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(home)
+        for dead in (node, *sends):
+            graph.erase_node(dead)
+        rewritten += 1
+    if rewritten:
+        joint.recompile()
+    return rewritten
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceWeights:
+    """What a forward graph of a streamed model holds on the device besides activations, at
+    most: its resident inputs (small parameters, buffers, the batch), up to the prefetch window
+    of streamed weights copied ahead, and the largest streamed weight while it is read."""
+
+    resident_bytes: int
+    in_flight_bytes: int
+    largest: fx.Node
+    """The largest streamed weight: a graph input in host memory."""
+    largest_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.resident_bytes + self.in_flight_bytes + self.largest_bytes
+
+    def describe(self) -> str:
+        value = self.largest.meta["val"]
+        shape = "×".join(str(d) for d in value.shape)
+        return (f"its resident parameters and inputs ({self.resident_bytes} bytes), up to "
+                f"{self.in_flight_bytes} bytes of streamed weights copied ahead "
+                f"(prefetch_window_bytes) and its largest streamed weight while it is read "
+                f"({self.largest.name}, {shape} {value.dtype}, {self.largest_bytes} bytes)")
+
+
+def device_weights(forward: fx.GraphModule, window: int) -> DeviceWeights | None:
+    """The weights ``forward`` holds on the device (:class:`DeviceWeights`); None when it
+    streams none. A streamed weight is a graph input read through ``storm.fetch_weight`` or,
+    once storm rewrote the graph, ``storm.prefetch`` (the forward prefetches nothing else)."""
+    inputs = forward.graph.find_nodes(op="placeholder")
+    copies = (ops.fetch_weight, ops.prefetch)
+    streamed = [n for n in inputs if any(u.target in copies for u in n.users)]
+    if not streamed:
+        return None
+    sizes = {n: tensor_bytes(n.meta.get("val")) for n in inputs}
+    largest = max(streamed, key=sizes.__getitem__)
+    return DeviceWeights(
+        resident_bytes=sum(sizes[n] for n in inputs if n not in streamed),
+        in_flight_bytes=min(window, sum(sizes[n] for n in streamed) - sizes[largest]),
+        largest=largest, largest_bytes=sizes[largest])

@@ -1,0 +1,154 @@
+"""The facts about FX nodes that every pass, the cost model and the simulator share: units,
+lanes, sizes at the traced example sizes, views and the node owning a storage, and which nodes
+run on the compute stream. It depends on nothing of storm's but its ops.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_leaves
+
+from storm_compile import ops
+
+US = 1e6
+"""Microseconds per second."""
+MS = 1e3
+"""Milliseconds per second."""
+KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+
+class Lane(str, enum.Enum):
+    """Where a node's work runs: the compute stream, one of the two copy streams, or nowhere
+    (views and graph plumbing)."""
+
+    COMPUTE = "compute"
+    D2H = "d2h"
+    H2D = "h2d"
+    NONE = "-"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+RECOMPUTE_TAG = "recompute"
+"""The ``node.meta`` key AOTAutograd's partitioner reads checkpoint policies from."""
+
+UNBACKED_SIZE_HINT = 8192
+"""Size assumed for a data-dependent (unbacked) symbolic size, which has no example value:
+Inductor's own default (``unbacked_symint_fallback``) for the same question."""
+
+
+def hint(value):
+    """A plain number for a possibly symbolic int, float or bool, at the example sizes the graph
+    was traced with. Never adds a guard: plans made with hints hold for every size the guards
+    admit (they change which storages move, never whether the graphs are correct)."""
+    if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value
+    node = value.node
+    if node.has_hint():
+        concrete = node.hint
+    else:
+        concrete = node.shape_env.size_hint(node.expr, allow_none=True)
+        if concrete is None:
+            concrete = UNBACKED_SIZE_HINT
+    kind = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)]
+    return kind(concrete)
+
+
+def hint_shape(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tensor's sizes and strides at the traced example sizes."""
+    return tuple(hint(s) for s in value.shape), tuple(hint(s) for s in value.stride())
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of every tensor in ``value`` (a tensor, or nested lists/tuples/dicts of them), at
+    the traced example sizes; non-tensors count 0."""
+    return sum(hint(v.numel()) * v.element_size() for v in tree_leaves(value)
+               if isinstance(v, torch.Tensor))
+
+
+def is_dense(value: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill its storage span exactly, in some dimension order
+    (judged at the traced example sizes)."""
+    expected = 1
+    shape, strides = hint_shape(value)
+    for stride, size in sorted((st, sz) for sz, st in zip(shape, strides) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def node_order(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    """Each node's position in its graph."""
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def is_transfer(node: fx.Node) -> bool:
+    """Whether the node is one of storm's transfer ops (copies and their events)."""
+    return node.op == "call_function" and node.target in ops.TRANSFER_OPS
+
+
+COPY_LANES = {ops.offload: Lane.D2H, ops.send_grad: Lane.D2H, ops.prefetch: Lane.H2D}
+"""Storm's copy ops and the copy stream each runs on."""
+
+
+UNANNOTATED_VIEWS = (torch.ops.aten._unsafe_view.default,)
+"""Ops whose output shares its input's storage although their schema declares a fresh tensor."""
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether the node's output shares storage with its first input: view ops, items of a
+    view op's list output, ``_unsafe_view``, and storm's ``record_event``/``wait_event``."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and is_view(source)
+    if node.target in UNANNOTATED_VIEWS:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
+                                      for r in schema.returns)
+
+
+def is_compute(node: fx.Node) -> bool:
+    """Whether the node launches work on the compute stream: a call that is not a view, an
+    item of a tuple, or a storm transfer."""
+    return (node.op == "call_function" and node.target is not operator.getitem
+            and not is_view(node) and not is_transfer(node))
+
+
+def view_chain(node: fx.Node) -> list[fx.Node]:
+    """The view nodes from the storage owner (exclusive) down to ``node`` (inclusive), in order."""
+    chain = []
+    while is_view(node):
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def storage_owner(node: fx.Node) -> fx.Node:
+    """The node that owns the storage ``node`` reads (``node`` itself unless it is a view)."""
+    chain = view_chain(node)
+    return chain[0].args[0] if chain else node
+
+
+def view_closure(node: fx.Node, order: dict[fx.Node, int]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The views of ``node`` reached through views only, and the non-view users of ``node`` and
+    of those views (the nodes that read its data), both sorted by ``order`` (the graph's node
+    positions)."""
+    views, readers, frontier = [], set(), [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if is_view(user) and user.args and user.args[0] is current:
+                views.append(user)
+                frontier.append(user)
+            else:
+                readers.add(user)
+    return sorted(views, key=order.__getitem__), sorted(readers, key=order.__getitem__)

@@ -1,0 +1,193 @@
+"""``pin_transfers``: Inductor's peak-memory order for compute, storm's placement for copies.
+
+Unit tests drive it with stand-ins for Inductor's scheduler nodes over a real FX graph; the
+integration test compiles the built-in gpt with Inductor on the CPU and checks where the pass
+left every transfer kernel, and that gradients equal torch.compile's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+from torch import fx
+
+import storm_compile.pin_transfers as pin
+from storm_compile import ops, storm
+from storm_compile.models import GPTShape, build_gpt
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dep:
+    name: str
+
+
+class _Kernel:
+    def __init__(self, node: fx.Node) -> None:
+        self.origins = {node}
+        self.op_overload = node.target
+
+    def get_origins(self) -> set[fx.Node]:
+        return self.origins
+
+
+class _SNode:
+    """What ``pin_transfers`` reads of an Inductor scheduler node."""
+
+    def __init__(self, node: fx.Node, deps: list[fx.Node]) -> None:
+        self.name = node.name
+        self.node = _Kernel(node)
+        self.unmet_dependencies = [_Dep(d.name) for d in deps]
+
+    def get_nodes(self) -> list[_SNode]:
+        return [self]
+
+    def get_buffer_names(self) -> list[str]:
+        return [self.name]
+
+    def get_operation_names(self) -> list[str]:
+        return [f"op_{self.name}"]
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _forward() -> dict[str, _SNode]:
+    """``a = relu(x); off = offload(a); b = mul(a, a); c = add(b, b); d = neg(x)`` in that FX
+    order, one scheduler node per call."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(aten.relu.default, (x,), name="a")
+    off = graph.call_function(ops.offload, (a, 0), name="off")
+    b = graph.call_function(aten.mul.Tensor, (a, a), name="b")
+    c = graph.call_function(aten.add.Tensor, (b, b), name="c")
+    d = graph.call_function(aten.neg.default, (x,), name="d")
+    graph.output((off, c, d))
+    return {"a": _SNode(a, []), "off": _SNode(off, [a]), "b": _SNode(b, [a]),
+            "c": _SNode(c, [b]), "d": _SNode(d, [])}
+
+
+def _names(snodes) -> list[str]:
+    return [s.name for s in snodes]
+
+
+def test_golden_offload_moved_late_goes_back_after_its_anchor():
+    s = _forward()
+    reordered = [s["a"], s["b"], s["d"], s["c"], s["off"]]
+    assert _names(pin.pin_transfers(reordered)) == ["a", "off", "b", "d", "c"]
+
+
+def test_golden_transfer_waits_for_an_input_moved_after_its_anchor():
+    s = _forward()
+    s["off"].unmet_dependencies.append(_Dep("c"))
+    reordered = [s["a"], s["b"], s["d"], s["c"], s["off"]]
+    assert _names(pin.pin_transfers(reordered)) == ["a", "b", "d", "c", "off"]
+
+
+def test_compute_order_is_kept_and_the_result_is_topological():
+    s = _forward()
+    reordered = [s["d"], s["a"], s["b"], s["off"], s["c"]]
+    result = pin.pin_transfers(reordered)
+    assert sorted(_names(result)) == sorted(_names(reordered))
+    compute = [n for n in _names(result) if n != "off"]
+    assert compute == ["d", "a", "b", "c"]
+    seen: set[str] = set()
+    for snode in result:
+        assert all(d.name in seen for d in snode.unmet_dependencies), snode
+        seen.add(snode.name)
+    assert _names(result) == ["d", "a", "off", "b", "c"]
+
+
+def test_no_transfers_leaves_the_order_alone():
+    s = _forward()
+    reordered = [s["d"], s["a"], s["b"], s["c"]]
+    assert pin.pin_transfers(reordered) is reordered
+
+
+def test_idempotent():
+    s = _forward()
+    once = pin.pin_transfers([s["a"], s["b"], s["d"], s["c"], s["off"]])
+    assert pin.pin_transfers(once) == once
+
+
+def test_a_dependency_cycle_is_an_error():
+    s = _forward()
+    s["a"].unmet_dependencies.append(_Dep("c"))
+    with pytest.raises(RuntimeError, match="cycle"):
+        pin.pin_transfers([s["a"], s["b"], s["c"], s["off"]])
+
+
+def test_user_comm_overlap_passes_run_first():
+    def mine(snodes):
+        return snodes
+
+    with inductor_config.patch(reorder_for_compute_comm_overlap=False,
+                               reorder_for_compute_comm_overlap_passes=[mine]):
+        assert pin.inductor_patches()["reorder_for_compute_comm_overlap_passes"] == \
+            [pin.pin_transfers]
+    with inductor_config.patch(reorder_for_compute_comm_overlap=True,
+                               reorder_for_compute_comm_overlap_passes=[mine]):
+        assert pin.inductor_patches()["reorder_for_compute_comm_overlap_passes"] == \
+            [mine, pin.pin_transfers]
+
+
+SHAPE = GPTShape(d_model=64, heads=4, seq=32, batch=2, layers=2, dtype="float32")
+CPU_OPTIONS = {"transfer_cpu_tensors": True, "min_offload_bytes": 0}
+"""Inductor's C++ backend compiles storm's graphs; every activation is planned."""
+
+
+def _grads(model, x: torch.Tensor, backend) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x).pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+_SEEN: list[list] = []
+_PIN = pin.pin_transfers
+
+
+def _spy(snodes):
+    """``pin_transfers``, keeping each order it returns (module level: Inductor pickles its
+    config, passes included, into the FX graph cache key)."""
+    result = _PIN(snodes)
+    _SEEN.append(result)
+    return result
+
+
+def test_inductor_runs_it_on_storm_graphs_and_gradients_match(monkeypatch):
+    monkeypatch.setattr(pin, "pin_transfers", _spy)
+    _SEEN.clear()
+    seen = _SEEN
+    torch.manual_seed(0)
+    model, (x,) = build_gpt(SHAPE, "cpu")
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):  # the scheduler must run
+        grads = _grads(model, x, storm(memory_budget=0.5, **CPU_OPTIONS))
+    assert seen, "Inductor did not run the pass"
+    for result in seen:
+        kernel_of = {}
+        for index, snode in enumerate(result):
+            if pin._transfer_node(snode) is None:
+                for origin in pin._origins(snode):
+                    kernel_of.setdefault(origin, index)
+        for index, snode in enumerate(result):
+            node = pin._transfer_node(snode)
+            if node is None:
+                continue
+            anchor = pin._anchor(node, kernel_of)
+            producers = [result.index(p) for p in result[:index]
+                         if {*p.get_buffer_names(), *p.get_operation_names()}
+                         & {d.name for d in snode.unmet_dependencies}]
+            assert index > anchor and all(i < index for i in producers)
+            between = [s for s in result[max([anchor, *producers]) + 1:index]
+                       if pin._transfer_node(s) is None]
+            assert between == [], f"{node.name} is not right after its anchor"
+    reference = _grads(model, x, "inductor")
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -1,0 +1,162 @@
+"""One budget for the whole step: the ledger's arithmetic, graph breaks, and DDP's pieces."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from helpers import CPU_TEST_OPTIONS
+from storm_compile import StormBackend, StormConfig
+from storm_compile.passes import StormBudgetError
+from storm_compile.simulate import simulate
+from storm_compile.models import GPTShape, build_gpt
+from storm_compile.step_budget import GraphShare, StepBudget
+
+PLAN_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "recompute": True}
+FIRST, SECOND, SECOND_RECOMPILED = (0, 0, 0), (1, 0, 0), (1, 1, 0)
+
+
+def _share(baseline: int, minimum: int, planned: int, step_s: float = 1.0,
+           spent_s: float = 0.0) -> GraphShare:
+    return GraphShare(baseline_bytes=baseline, minimum_bytes=minimum, planned_bytes=planned,
+                      baseline_step_s=step_s, spent_s=spent_s)
+
+
+def test_a_graph_too_small_for_its_share_leaves_the_rest_to_later_graphs():
+    step = StepBudget()
+    assert step.target_bytes(FIRST, 0.5, baseline=100, minimum=90) == 90
+    step.record(FIRST, _share(100, 90, 90))
+    # The step so far must hold half of 100 + 1000: the second graph makes up the 40 over.
+    assert step.target_bytes(SECOND, 0.5, baseline=1000, minimum=0) == 550 - 90
+
+
+def test_a_recompiled_frame_replaces_its_earlier_graphs():
+    step = StepBudget()
+    step.record(SECOND, _share(1000, 0, 1000))
+    # Only the new compilation of frame 1 counts: the old one's 1000 bytes are gone.
+    step.record(SECOND_RECOMPILED, _share(800, 0, 400))
+    assert step.target_bytes(FIRST, 0.5, baseline=200, minimum=0) == 100
+
+
+def test_byte_budget_is_the_steps_total():
+    step = StepBudget()
+    assert step.target_bytes(FIRST, 500, baseline=300, minimum=10) == 300
+    step.record(FIRST, _share(300, 10, 300))
+    assert step.target_bytes(SECOND, 500, baseline=400, minimum=20) == 200
+
+
+def test_infeasible_byte_budget_states_the_steps_minimum():
+    step = StepBudget()
+    step.record(FIRST, _share(300, 250, 300))
+    with pytest.raises(StormBudgetError, match="at least 350 bytes"):
+        step.target_bytes(SECOND, 300, baseline=400, minimum=100)
+
+
+def test_byte_budget_taken_by_earlier_graphs_warns_once_and_keeps_the_minimum():
+    step = StepBudget()
+    step.record(FIRST, _share(300, 10, 300))
+    with pytest.warns(RuntimeWarning, match="over memory_budget") as caught:
+        assert step.target_bytes(SECOND, 320, baseline=400, minimum=100) == 100
+        assert step.target_bytes(SECOND, 320, baseline=400, minimum=100) == 100
+    assert len(caught) == 1
+
+
+def test_auto_allowance_is_shared_across_the_step():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 0, 50, step_s=1.0, spent_s=0.005))
+    assert step.allowance_s(SECOND, baseline_step_s=1.0, max_overhead=0.02) == \
+        pytest.approx(0.02 * 2.0 - 0.005)
+
+
+class BrokenMLP(nn.Module):
+    """A small graph, a graph break, then a large one: the first cannot reach half."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Linear(16, 16)
+        self.large = nn.Sequential(nn.Linear(16, 512), nn.GELU(), nn.Linear(512, 512),
+                                   nn.GELU(), nn.Linear(512, 16))
+
+    def forward(self, x):
+        h = torch.tanh(self.small(x))
+        torch._dynamo.graph_break()
+        return self.large(h)
+
+
+def _captured_step(model, inputs, **options):
+    captured = []
+    backend = StormBackend(StormConfig.from_options(**{**PLAN_OPTIONS, **options}),
+                           observer=captured.append)
+    torch.compile(model, backend=backend)(*inputs).pow(2).mean().backward()
+    return captured, backend
+
+
+def _step_activation(captured, backend) -> tuple[int, int]:
+    baseline = sum(g.plan.baseline.activation_bytes for g in captured)
+    planned = sum(simulate(g, backend.ctx.cost).activation_bytes for g in captured)
+    return baseline, planned
+
+
+def test_fraction_budget_holds_over_graph_breaks():
+    torch.manual_seed(0)
+    captured, backend = _captured_step(BrokenMLP(), (torch.randn(64, 16),), memory_budget=0.5)
+    assert len(captured) == 2
+    baseline, planned = _step_activation(captured, backend)
+    assert planned <= 0.5 * baseline
+    small = captured[0].plan
+    assert small.target_bytes == small.minimum_bytes > 0.5 * small.baseline.activation_bytes
+
+
+def test_byte_budget_below_the_steps_minimum_is_the_only_budget_error():
+    torch.manual_seed(0)
+    with pytest.raises(Exception) as caught:
+        _captured_step(BrokenMLP(), (torch.randn(64, 16),), memory_budget="1B")
+    error = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(error, StormBudgetError)
+    assert "minimum feasible for the step" in str(error)
+
+
+def test_cpu_model_with_a_budget_compiles_unchanged():
+    torch.manual_seed(0)
+    captured, _ = _captured_step(BrokenMLP(), (torch.randn(64, 16),),
+                                 transfer_cpu_tensors=False, memory_budget="1B")
+    for graphs in captured:
+        assert graphs.plan.target_bytes is None and not graphs.plan.recompute
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def single_rank_group():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+DDP_SHAPE = GPTShape(d_model=128, layers=6, heads=4, seq=32, batch=2, dtype="float32")
+DDP_BUCKET_MB = 1
+"""DDPOptimizer's first bucket is 1 MB; with 1 MB buckets the 6-block model splits into several
+pieces, each compiled by storm."""
+
+
+@pytest.mark.parametrize("budget", [0.5, "auto"])
+def test_ddp_pieces_share_one_budget(single_rank_group, budget):
+    torch.manual_seed(0)
+    model, inputs = build_gpt(DDP_SHAPE)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_MB)
+    captured, backend = _captured_step(ddp, inputs, memory_budget=budget)
+    assert len(captured) > 2, "DDPOptimizer did not split the model"
+    baseline, planned = _step_activation(captured, backend)
+    if budget == "auto":
+        assert planned < baseline
+    else:
+        assert planned <= budget * baseline

@@ -1,0 +1,306 @@
+"""Parameters streamed from host memory: same gradients, optimizer steps and state_dict as the
+model they came from, in eager mode, under aot_eager and under storm."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import fx
+
+from helpers import CPU_TEST_OPTIONS, cost_model, nodes
+from storm_compile import ops, storm, streaming
+from storm_compile.backend import StormBackend
+from storm_compile.config import StormConfig
+from storm_compile.graphs import PassContext, saved_values
+from storm_compile.passes import StormBudgetError, StormVerificationError, verify_graphs
+from storm_compile.pipeline import run_passes
+from storm_compile.simulate import simulate
+from storm_compile.models import LLAMA_PRESETS, build_llama
+from storm_compile.streaming import StormHostMemoryError, stream_parameters
+from storm_compile.vocabulary import storage_owner
+
+SHAPE = LLAMA_PRESETS["tiny"]
+RESIDENT_BYTES = 4096
+"""Above the tiny model's norm weights (256 B) and below its smallest matrix (8 KiB)."""
+BACKENDS = {"eager": None, "aot_eager": "aot_eager", "storm": storm(**CPU_TEST_OPTIONS)}
+STEPS = 3
+MICRO_BATCHES = 2
+
+
+def _pair(shape=SHAPE):
+    """A tiny Llama, a streamed copy of it, and a batch."""
+    torch.manual_seed(0)
+    reference, batch = build_llama(shape)
+    model = copy.deepcopy(reference)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    return reference, model, batch
+
+
+def _streamed_graphs(**options):
+    """The graphs storm made of the streamed tiny Llama under the CPU test options updated
+    with ``options``, and the resolved options."""
+    _, model, batch = _pair()
+    captured = []
+    config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, **options})
+    torch.compile(model, backend=StormBackend(config, observer=captured.append))(*batch) \
+        .backward()
+    return captured[0], config
+
+
+def _run(model, backend):
+    return model if backend is None else torch.compile(model, backend=backend)
+
+
+def _grads(model) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_streamed_gradients_match(backend):
+    reference, model, batch = _pair()
+    _run(reference, BACKENDS[backend] and "aot_eager")(*batch).backward()
+    loss = _run(model, BACKENDS[backend])(*batch)
+    loss.backward()
+    assert len(_grads(model)) == len(_grads(reference))
+    for grad, expected in zip(_grads(model), _grads(reference)):
+        torch.testing.assert_close(grad, expected)
+
+
+def test_inductor_alone_runs_a_streamed_model_correctly():
+    """Without storm the fetches are plain copies in program order: slow, never wrong."""
+    reference, model, batch = _pair()
+    _run(reference, "inductor")(*batch).backward()
+    _run(model, "inductor")(*batch).backward()
+    for grad, expected in zip(_grads(model), _grads(reference)):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_weights_are_prefetched_in_both_graphs_and_never_saved():
+    _, model, _ = _pair()
+    graphs, _ = _streamed_graphs()
+    streamed = len(list(model.parameters())) - SHAPE.layers * 2 - 1
+    fetches = graphs.storages.fetches
+    in_forward = [f for f in fetches if f.node.graph is graphs.forward.graph]
+    assert len(in_forward) == streamed and len(fetches) > streamed
+    assert not nodes(graphs.backward, ops.grad_to_host)
+    assert len(graphs.storages.sends) == len(nodes(graphs.backward, ops.send_grad)) == streamed
+    offloaded = len(nodes(graphs.forward, ops.offload))
+    for gm, activations in ((graphs.forward, 0), (graphs.backward, offloaded)):
+        assert not nodes(gm, ops.fetch_weight)
+        assert len(nodes(gm, ops.prefetch)) == \
+            len([f for f in fetches if f.node.graph is gm.graph]) + activations
+    assert not [n for n in saved_values(graphs) if storage_owner(n).target is ops.prefetch]
+
+
+def test_gradients_leave_on_the_d2h_stream_and_the_host_waits_at_the_end():
+    graphs, _ = _streamed_graphs()
+    order = {n: i for i, n in enumerate(graphs.backward.graph.nodes)}
+    output = graphs.backward.graph.find_nodes(op="output")[0]
+    for send in nodes(graphs.backward, ops.send_grad):
+        (record,) = send.users
+        (wait,) = record.users
+        (home,) = wait.users
+        assert home.target is ops.wait_host and list(home.users) == [output]  # no tied weight
+        assert order[send.args[0]] < order[send] < order[wait] < order[home]
+        later = [n for n in graphs.backward.graph.nodes
+                 if order[wait] < order[n] and n.target not in (ops.wait_host, ops.send_grad,
+                                                                ops.record_event)]
+        assert send.args[0] not in {a for n in later for a in n.all_input_nodes}
+
+
+def test_streamed_rewrite_is_idempotent():
+    graphs, config = _streamed_graphs()
+    fw_code, bw_code = graphs.forward.code, graphs.backward.code
+    again = run_passes(graphs, PassContext(config, cost_model()))
+    assert again.forward.code == fw_code and again.backward.code == bw_code
+
+
+def _break_by_reading_the_host_weight(graphs) -> None:
+    prefetch = nodes(graphs.forward, ops.prefetch)[0]
+    with graphs.forward.graph.inserting_after(prefetch):
+        graphs.forward.graph.call_function(torch.ops.aten.neg.default, (prefetch.args[0],))
+
+
+def _break_by_skipping_the_host_wait(graphs) -> None:
+    home = nodes(graphs.backward, ops.wait_host)[0]
+    home.replace_all_uses_with(home.args[0])
+    graphs.backward.graph.erase_node(home)
+
+
+def _break_by_sending_from_the_forward(graphs) -> None:
+    fw = graphs.forward.graph
+    source = nodes(graphs.forward, torch.ops.aten.mm.default)[0]
+    with fw.inserting_after(source):
+        fw.call_function(ops.send_grad, (source, 0))
+
+
+@pytest.mark.parametrize("breaker", [_break_by_reading_the_host_weight,
+                                     _break_by_skipping_the_host_wait,
+                                     _break_by_sending_from_the_forward])
+def test_verify_rejects_broken_streamed_graphs(breaker):
+    graphs, _ = _streamed_graphs()
+    verify_graphs(graphs)
+    breaker(graphs)
+    with pytest.raises(StormVerificationError):
+        verify_graphs(graphs)
+
+
+def test_weight_prefetches_are_placed_ahead_of_their_reads():
+    """With compute slow enough to hide every copy, each weight's copy is issued before the
+    compute node preceding its first read, and ends before that read."""
+    _, model, batch = _pair()
+    captured = []
+    config = StormConfig.from_options(**CPU_TEST_OPTIONS)
+    backend = StormBackend(config, observer=captured.append, cost_override=lambda node: 1.0)
+    torch.compile(model, backend=backend)(*batch).backward()
+    (graphs,) = captured
+    assert all(f.slack_s > 0 for f in graphs.storages.fetches)
+    assert any(f.issue_after is not None for f in graphs.storages.fetches)
+
+
+def _train(net, batch, backend, lr: float, fused: bool | None, scheduled: bool
+           ) -> tuple[list[float], list[torch.Tensor]]:
+    """STEPS AdamW steps of MICRO_BATCHES accumulated micro-batches of ``batch`` (an LR schedule
+    with ``scheduled``): each step's last loss and the final weights, on the CPU."""
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, fused=fused)
+    schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2) \
+        if scheduled else None
+    run = torch.compile(net, backend=backend)
+    losses = []
+    for _ in range(STEPS):
+        for _ in range(MICRO_BATCHES):
+            loss = run(*batch) / MICRO_BATCHES
+            loss.backward()
+        optimizer.step()
+        if schedule is not None:
+            schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in net.parameters()]
+
+
+def test_optimizer_steps_match_with_accumulation_and_a_schedule():
+    reference, model, batch = _pair()
+    (ref_losses, ref_params), (losses, params) = (
+        _train(net, batch, storm(**CPU_TEST_OPTIONS), lr=1e-2, fused=True, scheduled=True)
+        for net in (reference, model))
+    assert losses == pytest.approx(ref_losses)
+    for param, expected in zip(params, ref_params):
+        torch.testing.assert_close(param, expected)
+
+
+def test_state_dict_keeps_the_model_keys_and_loads_back():
+    reference, model, batch = _pair()
+    assert list(model.state_dict()) == list(reference.state_dict())
+    torch.manual_seed(1)
+    other, _ = build_llama(SHAPE)
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(model(*batch), other(*batch))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, other.state_dict()[name], msg=name)
+
+
+def test_tied_embedding_is_streamed_once():
+    reference, model, batch = _pair(dataclasses.replace(SHAPE, tie_embeddings=True))
+    assert len(list(model.parameters())) == len(list(reference.parameters()))
+    _run(reference, "aot_eager")(*batch).backward()
+    captured = []
+    config = StormConfig.from_options(**CPU_TEST_OPTIONS)
+    torch.compile(model, backend=StormBackend(config, observer=captured.append))(*batch) \
+        .backward()
+    for grad, expected in zip(_grads(model), _grads(reference)):
+        torch.testing.assert_close(grad, expected)
+    (graphs,) = captured
+    sends = nodes(graphs.backward, ops.send_grad)
+    assert len(sends) == len(graphs.storages.sends) == len({s.args[0] for s in sends})
+    assert all(list(home.users)[0].op == "output"
+               for home in nodes(graphs.backward, ops.wait_host)), "summed on the device"
+
+
+def test_tied_gradients_are_summed_before_going_home():
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    homes = [graph.call_function(ops.grad_to_host, (g, torch.device("cpu"))) for g in (a, b)]
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, tuple(homes)))
+    for node in graph.nodes:
+        node.meta["val"] = torch.ones(2)
+    joint = fx.GraphModule({}, graph)
+    assert streaming.sum_gradients_on_device(joint) == 1
+    assert [n.target for n in joint.graph.nodes if n.op == "call_function"] == \
+        [torch.ops.aten.add.Tensor, ops.grad_to_host]
+    torch.testing.assert_close(joint(torch.ones(2), torch.full((2,), 2.0)), torch.full((2,), 3.0))
+    assert streaming.sum_gradients_on_device(joint) == 0
+
+
+def test_small_parameters_stay_on_the_device():
+    torch.manual_seed(0)
+    model, _ = build_llama(SHAPE)
+    streamed = stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    assert streamed.resident and all(n.endswith("norm.weight") for n in streamed.resident)
+    assert streamed.host_bytes == sum(p.numel() * p.element_size() for p in model.parameters()
+                                      if p.numel() * p.element_size() >= RESIDENT_BYTES)
+
+
+def test_not_enough_host_memory_is_an_error_before_anything_moves(monkeypatch):
+    monkeypatch.setattr(streaming, "available_host_bytes", lambda: 1024)
+    torch.manual_seed(0)
+    model, _ = build_llama(SHAPE)
+    with pytest.raises(StormHostMemoryError, match=r"need \d+ bytes .* 1024 bytes"):
+        stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+
+
+def test_streaming_twice_is_an_error():
+    _, model, _ = _pair()
+    with pytest.raises(ValueError, match="already"):
+        stream_parameters(model, "cpu")
+
+
+@pytest.mark.parametrize("preset, billions", [("1b", 1.24), ("3b", 3.21), ("8b", 8.03)])
+def test_llama_presets_have_their_published_sizes(preset, billions):
+    assert LLAMA_PRESETS[preset].parameters / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_llama_parameter_count_matches_the_model():
+    torch.manual_seed(0)
+    model, _ = build_llama(SHAPE)
+    assert SHAPE.parameters == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_streamed_training_on_the_gpu_matches_the_resident_model():
+    """Weights and AdamW on the host, copies on the GPU's streams: the same losses and weights
+    as the model trained on the GPU under torch.compile."""
+    torch.manual_seed(0)
+    reference, batch = build_llama(SHAPE, device="cuda")
+    model = copy.deepcopy(reference).cpu()
+    stream_parameters(model, "cuda", resident_bytes=RESIDENT_BYTES)
+    ref_losses, ref_params = _train(reference, batch, "inductor", lr=1e-3, fused=None,
+                                    scheduled=False)
+    losses, params = _train(model, batch, storm(min_offload_bytes=0), lr=1e-3, fused=None,
+                            scheduled=False)
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    for param, expected in zip(params, ref_params):
+        torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_byte_budget_pays_for_the_weights_on_the_device_first():
+    graphs, config = _streamed_graphs()
+    weights = streaming.device_weights(graphs.forward, config.prefetch_window_bytes)
+    baseline = graphs.plan.baseline.activation_bytes
+    budget = weights.nbytes + baseline // 2
+    planned, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+    assert planned.plan.target_bytes == baseline // 2
+    assert simulate(planned, cost_model()).activation_bytes <= baseline // 2
+
+
+def test_a_byte_budget_below_the_weights_names_the_largest():
+    graphs, config = _streamed_graphs()
+    weights = streaming.device_weights(graphs.forward, config.prefetch_window_bytes)
+    with pytest.raises(Exception) as caught:
+        _streamed_graphs(offload="hidden", memory_budget=f"{weights.nbytes}B")
+    error = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(error, StormBudgetError)
+    assert "largest streamed weight while it is read" in str(error)
+    assert weights.largest.name in str(error)

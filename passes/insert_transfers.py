@@ -44,8 +44,7 @@ of either graph becomes, with ``issue_after`` and ``first_read`` from its :class
     <views of the fetch, moved here>
     first_read(...)
 
-and each ``w_grad = storm.grad_to_host(g, host)`` of the backward
-(``graphs.storages.sends``) becomes::
+and each ``storm.grad_to_host(g, w)`` of the backward (``graphs.storages.sends``) becomes::
 
     issue_after(...)                                  # g's producer or a later node
     g_host       = storm.send_grad(g, host_limit)
@@ -53,9 +52,10 @@ and each ``w_grad = storm.grad_to_host(g, host)`` of the backward
     ...
     wait_after(...)
     g_host_done  = storm.wait_event(g_host_ready, g)  # g's last use: its memory is released
+    g_token      = storm.accumulate_grad(g_host_done, w)   # a host thread adds it into w.grad
     ...
-    w_grad       = storm.wait_host(g_host_done)       # right before w_grad's first reader: the
-    return (..., w_grad, ...)                         # output (or a tied weight's host sum)
+    storm.wait_host([g_token, ...])                   # every send's token, before the output
+    return (...)
 
 ``meta["val"]`` of every new node, and of ``h1..hk``, comes from the ops' fake implementations;
 the replayed views have the strides the backward was traced with.
@@ -160,31 +160,24 @@ def _fetch_ahead(graph: fx.Graph, fetch: WeightFetch) -> None:
         fetch.first_read.prepend(view)
 
 
-def _send_home(graph: fx.Graph, send: GradSend, ctx: PassContext) -> None:
+def _send_home(graph: fx.Graph, send: GradSend, ctx: PassContext) -> fx.Node:
     """Replace a streamed weight's ``grad_to_host`` by a copy on the D2H stream issued after
     ``send.issue_after``, a compute-stream wait after ``send.wait_after`` (the gradient's last
-    use; at the latest right before the host copy's first reader) and a host wait right before the host copy's first reader: the output, or the host
-    sum of a tied weight's gradients."""
+    use) and the host thread's addition into the weight's ``.grad``; returns the addition's
+    token."""
     node = send.node
-    grad = node.args[0]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first_reader = min(node.users, key=order.__getitem__)
+    grad, weight = node.args
     with graph.inserting_after(send.issue_after):
         host = _emit(graph, ops.send_grad, (grad, ctx.config.host_memory_limit))
     with graph.inserting_after(host):
         ready = _emit(graph, ops.record_event, (host,))
-    if send.wait_after is send.issue_after:
-        waiting = graph.inserting_after(ready)
-    elif order[send.wait_after] < order[first_reader]:
-        waiting = graph.inserting_after(send.wait_after)
-    else:
-        waiting = graph.inserting_before(first_reader)
-    with waiting:
+    after = ready if send.wait_after is send.issue_after else send.wait_after
+    with graph.inserting_after(after):
         done = _emit(graph, ops.wait_event, (ready, grad))
-    with graph.inserting_before(first_reader):
-        home = _emit(graph, ops.wait_host, (done,))
-    node.replace_all_uses_with(home)
+    with graph.inserting_after(done):
+        token = _emit(graph, ops.accumulate_grad, (done, weight))
     graph.erase_node(node)
+    return token
 
 
 def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
@@ -229,8 +222,12 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                     graphs.forward.graph.erase_node(view)
     unsent = set(graphs.backward.graph.find_nodes(op="call_function", target=ops.grad_to_host))
     sends = [s for s in graphs.storages.sends if s.node in unsent]
-    for send in sorted(sends, key=lambda s: backward_order[s.node.args[0]], reverse=True):
-        _send_home(graphs.backward.graph, send, ctx)
+    tokens = [_send_home(graphs.backward.graph, send, ctx)
+              for send in sorted(sends, key=lambda s: backward_order[s.node.args[0]],
+                                 reverse=True)]
+    if tokens:
+        with graphs.backward.graph.inserting_before(output_node(graphs.backward)):
+            graphs.backward.graph.call_function(ops.wait_host, (tokens,))
     if offloads or sends or any(fetches.values()):
         graphs.forward.recompile()
         graphs.backward.recompile()

@@ -8,10 +8,12 @@ Checks, on top of ``fx.Graph.lint``:
     the wait's result only leaves the forward as a saved value;
   * ``prefetch`` of a graph input read by nothing but its prefetches and their waits
     (keepalive), and, in the forward, the output (a streamed weight saved for the backward's
-    own fetch): in the backward a saved activation's host copy or a streamed weight, in the
-    forward a streamed weight;
+    own fetch), in the backward an ``accumulate_grad`` (which adds into the weight's
+    ``.grad``, not its data): in the backward a saved activation's host copy or a streamed
+    weight, in the forward a streamed weight;
   * ``send_grad`` only in the backward, its wait keeping the gradient alive and read only by
-    one ``wait_host``.
+    one ``accumulate_grad``, whose token is read only by the graph's one ``wait_host``, the
+    last node before the output.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def _check_forward(graphs: StormGraphs) -> None:
     visible = set(model_outputs(graphs))
     visible_roots = {storage_owner(v) for v in visible}
     _check_prefetches("forward", graph, {output_node(graphs.forward)})
-    for node in graph.find_nodes(op="call_function", target=ops.send_grad):
-        _fail("forward", node, "send_grad belongs in the backward")
+    for target in (ops.send_grad, ops.accumulate_grad, ops.wait_host):
+        for node in graph.find_nodes(op="call_function", target=target):
+            _fail("forward", node, f"{node.target} belongs in the backward")
     for node in graph.find_nodes(op="call_function", target=ops.offload):
         source = node.args[0]
         if source.op == "placeholder" or source in visible_roots:
@@ -90,12 +93,23 @@ def _check_backward(graphs: StormGraphs) -> None:
     graph = graphs.backward.graph
     for node in graph.find_nodes(op="call_function", target=ops.offload):
         _fail("backward", node, "offload belongs in the forward")
-    _check_prefetches("backward", graph, set())
-    for node in graph.find_nodes(op="call_function", target=ops.send_grad):
+    _check_prefetches("backward", graph, set(graph.find_nodes(op="call_function",
+                                                               target=ops.accumulate_grad)))
+    sends = graph.find_nodes(op="call_function", target=ops.send_grad)
+    barriers = graph.find_nodes(op="call_function", target=ops.wait_host)
+    if len(barriers) > 1 or (sends and not barriers):
+        _fail("backward", barriers[-1] if barriers else output_node(graphs.backward),
+              f"needs exactly one wait_host for its {len(sends)} send_grad, has {len(barriers)}")
+    if barriers and barriers[0].next is not output_node(graphs.backward):
+        _fail("backward", barriers[0], "wait_host must be the last node before the output")
+    for node in sends:
         wait = _check_chain("backward", node)
-        homes = list(wait.users)
-        if len(homes) != 1 or homes[0].target is not ops.wait_host:
-            _fail("backward", wait, f"must feed exactly one wait_host, feeds {homes}")
+        adds = list(wait.users)
+        if len(adds) != 1 or adds[0].target is not ops.accumulate_grad:
+            _fail("backward", wait, f"must feed exactly one accumulate_grad, feeds {adds}")
+        if set(adds[0].users) != set(barriers):
+            _fail("backward", adds[0], f"must be read by the wait_host only, is read by "
+                                       f"{list(adds[0].users)}")
 
 
 def verify_graphs(graphs: StormGraphs) -> None:

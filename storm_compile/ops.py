@@ -22,18 +22,20 @@ carrying them run, and are tested, without a GPU.
 
 A streamed parameter (:mod:`storm_compile.streaming`) lives in host memory and is read through
 ``storm.fetch_weight(w, device)``, a copy to the device whose gradient is
-``storm.grad_to_host(grad, host)``, a copy back to the parameter's device. Both are ordinary
-copies on the current stream, so a streamed model is correct in eager mode and under any
-backend. In a storm graph, fetches become prefetches (above), and each gradient's copy home is
-sent on the D2H stream as soon as the gradient is produced::
+``storm.grad_to_host(grad, w)``: a copy to ``w``'s device added into ``w.grad`` (set when it
+is None), as the autograd engine would have accumulated it. Both are ordinary copies on the
+current stream, so a streamed model is correct in eager mode and under any backend. In a storm
+graph, fetches become prefetches (above), and each gradient's copy home is sent on the D2H
+stream as soon as the gradient is produced and added into ``w.grad`` by a host thread once the
+copy is done, while the GPU runs on::
 
     h  = storm.send_grad(g, host_limit) # D2H stream waits on compute, copies g into a pinned buffer
     h1 = storm.record_event(h)
     ...compute...
     h2 = storm.wait_event(h1, g)        # compute stream waits; g's last use, its memory is freed
+    t  = storm.accumulate_grad(h2, w)   # the host thread adds h2 into w.grad after the copy
     ...compute...
-    h3 = storm.wait_host(h2)            # the host waits for the copy: h3 leaves the graph, and
-                                        # the autograd engine accumulates it on the host next
+    storm.wait_host([t, ...])           # the graph's last node: every addition is done
 
 NOTE: the GPU memory of an offloaded tensor is released by ordinary reference counting (the
 wait is the tensor's last use, after which Inductor and FX drop it), not by ``record_stream``
@@ -123,9 +125,10 @@ def _wait_event_fake(x: torch.Tensor, keepalive: torch.Tensor | None = None) -> 
 
 
 _lib.define("fetch_weight(Tensor w, Device device) -> Tensor")
-_lib.define("grad_to_host(Tensor grad, Device host) -> Tensor")
+_lib.define("grad_to_host(Tensor grad, Tensor w) -> ()")
 _lib.define("send_grad(Tensor grad, int host_limit) -> Tensor")
-_lib.define("wait_host(Tensor(a) x) -> Tensor(a)")
+_lib.define("accumulate_grad(Tensor(a) x, Tensor w) -> Tensor(a)")
+_lib.define("wait_host(Tensor[] tokens) -> ()")
 
 
 @torch.library.impl(_lib, "fetch_weight", _COMPOSITE)
@@ -139,13 +142,14 @@ def _fetch_weight_fake(w: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "grad_to_host", _COMPOSITE)
-def _grad_to_host(grad: torch.Tensor, host: torch.device) -> torch.Tensor:
-    return grad.to(host, copy=True)
+def _grad_to_host(grad: torch.Tensor, w: torch.Tensor) -> None:
+    get_runtime().accumulate(grad.to(w.device), w)
+    get_runtime().wait_host()
 
 
 @torch.library.register_fake("storm::grad_to_host")
-def _grad_to_host_fake(grad: torch.Tensor, host: torch.device) -> torch.Tensor:
-    return torch.empty_strided(grad.shape, grad.stride(), dtype=grad.dtype, device=host)
+def _grad_to_host_fake(grad: torch.Tensor, w: torch.Tensor) -> None:
+    return None
 
 
 @torch.library.impl(_lib, "send_grad", _COMPOSITE)
@@ -162,23 +166,38 @@ def _send_grad_fake(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
     return torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
 
 
-@torch.library.impl(_lib, "wait_host", _COMPOSITE)
-def _wait_host(x: torch.Tensor) -> torch.Tensor:
-    get_runtime().wait_host(x)
+@torch.library.impl(_lib, "accumulate_grad", _COMPOSITE)
+def _accumulate_grad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    get_runtime().accumulate(x, w)
     return x
+
+
+@torch.library.register_fake("storm::accumulate_grad")
+def _accumulate_grad_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@torch.library.impl(_lib, "wait_host", _COMPOSITE)
+def _wait_host(tokens: list[torch.Tensor]) -> None:
+    get_runtime().wait_host()
 
 
 @torch.library.register_fake("storm::wait_host")
-def _wait_host_fake(x: torch.Tensor) -> torch.Tensor:
-    return x
+def _wait_host_fake(tokens: list[torch.Tensor]) -> None:
+    return None
 
 
 def _fetch_weight_context(ctx, inputs, output) -> None:
-    ctx.host = inputs[0].device
+    ctx.save_for_backward(inputs[0])
 
 
 def _fetch_weight_backward(ctx, grad: torch.Tensor):
-    return torch.ops.storm.grad_to_host(grad, ctx.host), None
+    """The gradient goes into the host weight's ``.grad`` through ``storm.grad_to_host``, not
+    through the autograd engine, so that a storm graph can add it on a host thread while the
+    GPU runs on; the engine sees no gradient for the weight."""
+    (w,) = ctx.saved_tensors
+    torch.ops.storm.grad_to_host(grad, w)
+    return None, None
 
 
 torch.library.register_autograd("storm::fetch_weight", _fetch_weight_backward,
@@ -192,8 +211,10 @@ wait_event = torch.ops.storm.wait_event.default
 fetch_weight = torch.ops.storm.fetch_weight.default
 grad_to_host = torch.ops.storm.grad_to_host.default
 send_grad = torch.ops.storm.send_grad.default
+accumulate_grad = torch.ops.storm.accumulate_grad.default
 wait_host = torch.ops.storm.wait_host.default
 
-TRANSFER_OPS = (offload, prefetch, record_event, wait_event, send_grad, wait_host)
-for _op in TRANSFER_OPS:
+TRANSFER_OPS = (offload, prefetch, record_event, wait_event, send_grad, accumulate_grad,
+                wait_host)
+for _op in (*TRANSFER_OPS, grad_to_host):
     has_side_effect(_op)

@@ -73,8 +73,10 @@ def schedule_rows(graphs: StormGraphs, prediction: Prediction) -> list[ScheduleR
                 event = f"record {events[node]}"
             elif node.target is ops.wait_event:
                 event = f"wait {events[node.args[0]]}"
+            elif node.target is ops.accumulate_grad:
+                event = f"host adds after {events[node.args[0].args[0]]}"
             elif node.target is ops.wait_host:
-                event = f"host waits {events[node.args[0].args[0]]}"
+                event = f"host waits {len(node.args[0])} additions"
             decision = decisions.get(node.name) if name == "fw" else None
             rows.append(ScheduleRow(
                 graph=name, node=node.name, op=_op_name(node), stream=str(stream),

@@ -9,9 +9,12 @@ scattered across the ops.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import warnings
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger("storm_compile")
 
@@ -94,6 +97,70 @@ class PinnedPool:
         self.reserved_bytes = 0
 
 
+class HostAdder:
+    """Adds gradients that arrive in host buffers into their parameters' ``.grad`` on one host
+    thread, in arrival order, each after the copy that fills its buffer is done, so that the
+    thread launching the backward's kernels never waits for a copy home or for the additions.
+
+    A parameter whose ``.grad`` is None gets a buffer this object keeps for it, reused from
+    step to step while nothing else holds it (after ``zero_grad``): a fresh host allocation of
+    a model's gradients would pay its page faults at every step. An error on the thread is
+    raised by the next :meth:`join`.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._buffers = WeakIdKeyDictionary()
+        self._error: BaseException | None = None
+
+    def add(self, x: torch.Tensor, param: torch.Tensor,
+            event: torch.cuda.Event | None) -> None:
+        """Add ``x`` into ``param.grad`` once ``event`` (when given) has completed: now when
+        there is nothing to wait for and nothing queued, else on the thread."""
+        if event is None and self._jobs.unfinished_tasks == 0:
+            self._add_now(x, param)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="storm-host-adder",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put((x, param, event))
+
+    def join(self) -> None:
+        """Wait until every queued addition is done; raise the first error one hit."""
+        self._jobs.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError("storm: adding a gradient into its host parameter failed") \
+                from error
+
+    def _run(self) -> None:
+        while True:
+            x, param, event = self._jobs.get()
+            try:
+                if event is not None:
+                    event.synchronize()
+                self._add_now(x, param)
+            except BaseException as error:  # noqa: BLE001 - handed to join
+                self._error = self._error or error
+            finally:
+                del x, param, event
+                self._jobs.task_done()
+
+    def _add_now(self, x: torch.Tensor, param: torch.Tensor) -> None:
+        with torch.no_grad():
+            if param.grad is not None:
+                param.grad.add_(x)
+                return
+            buffer, idle_count = self._buffers.get(param, (None, 0))
+            if buffer is None or _storage_use_count(buffer) != idle_count \
+                    or buffer.shape != param.shape or buffer.dtype != param.dtype:
+                buffer = torch.empty_like(param, memory_format=torch.contiguous_format)
+                self._buffers[param] = (buffer, _storage_use_count(buffer))
+            param.grad = buffer.copy_(x).detach()  # its own tensor: holders count as users
+
+
 class TransferRuntime:
     """Streams, pool and pending copies. Copies are keyed by the destination's data pointer,
     which is unique while the destination is alive."""
@@ -105,6 +172,7 @@ class TransferRuntime:
         self._launched: dict[int, tuple[torch.cuda.Stream, torch.device, bool]] = {}
         self._events: dict[int, tuple[torch.cuda.Event, torch.device]] = {}
         self._host_events: dict[int, torch.cuda.Event] = {}
+        self._adder = HostAdder()
         self._warned_pinning = False
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -120,7 +188,7 @@ class TransferRuntime:
     def launch_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
                     device: torch.device, host_reads: bool = False) -> None:
         """Copy ``src`` into ``dst`` on ``stream``, after all the compute stream has queued;
-        ``host_reads``: the host will also wait for it (:meth:`wait_host`)."""
+        ``host_reads``: the host reads ``dst`` after it (:meth:`accumulate`)."""
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
@@ -145,12 +213,14 @@ class TransferRuntime:
             event, device = pending
             torch.cuda.current_stream(device).wait_event(event)
 
-    def wait_host(self, tensor: torch.Tensor) -> None:
-        """Block the host until the copy that produced ``tensor`` (launched with
-        ``host_reads``) is done."""
-        event = self._host_events.pop(tensor.data_ptr(), None)
-        if event is not None:
-            event.synchronize()
+    def accumulate(self, x: torch.Tensor, param: torch.Tensor) -> None:
+        """Add host tensor ``x`` into ``param.grad``, after the copy that produced ``x``
+        (launched with ``host_reads``) when one is pending, without blocking the caller."""
+        self._adder.add(x, param, self._host_events.pop(x.data_ptr(), None))
+
+    def wait_host(self) -> None:
+        """Block the host until every :meth:`accumulate` is done."""
+        self._adder.join()
 
     def warn_pinning_failed(self, nbytes: int, limit: int) -> None:
         if not self._warned_pinning:

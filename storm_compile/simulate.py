@@ -102,6 +102,13 @@ class _Link:
                 self.queues[lane].popleft()
 
 
+def _copy_of(node: fx.Node) -> fx.Node:
+    """The copy whose buffer ``node`` (a record, wait or accumulate of it) stands for."""
+    while node.target not in COPY_LANES:
+        node = node.args[0]
+    return node
+
+
 def _storage_bytes(node: fx.Node) -> int:
     return tensor_bytes(node.meta.get("val"))
 
@@ -150,10 +157,8 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
             link.enqueue(node, lane, _storage_bytes(node), t)
             t += cost.profile.transfer_host_s / TRANSFER_DIRECTIONS
         elif node.target in (ops.wait_event, ops.wait_host):
-            copy = node.args[0]
-            while copy.target not in COPY_LANES:
-                copy = copy.args[0]
-            t = max(t, link.finish_time(copy))
+            waited = node.args[0] if node.target is ops.wait_host else [node.args[0]]
+            t = max([t, *(link.finish_time(_copy_of(w)) for w in waited)])
             stall += t - begin
         elif is_compute(node):
             t += cost.compute_seconds(node)

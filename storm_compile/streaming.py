@@ -152,30 +152,31 @@ def refetch_in_backward(joint: fx.GraphModule) -> int:
 
 
 def sum_gradients_on_device(joint: fx.GraphModule) -> int:
-    """Rewrite ``add(grad_to_host(a, host), grad_to_host(b, host))`` of the joint graph, the
-    gradient of a weight read twice (a tied embedding), into ``grad_to_host(add(a, b), host)``:
-    one copy home instead of two, and the sum on the device instead of on the host inside the
-    backward. Longer sums are rewritten pair by pair. Returns how many adds it rewrote."""
-    graph, rewritten = joint.graph, 0
-    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)):
-        sends = node.args
-        if len(sends) != 2 or node.kwargs or not all(
-                isinstance(a, fx.Node) and a.target is ops.grad_to_host and len(a.users) == 1
-                for a in sends):
+    """Rewrite the ``grad_to_host(a, w)``, ``grad_to_host(b, w)``, ... of a weight read more than
+    once (a tied embedding) into one ``grad_to_host(a + b + ..., w)`` where the last of them
+    was: one copy home instead of several, and the sum on the device. Returns how many
+    ``grad_to_host`` nodes it removed."""
+    graph, removed = joint.graph, 0
+    by_weight: dict[fx.Node, list[fx.Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=ops.grad_to_host):
+        by_weight.setdefault(node.args[1], []).append(node)
+    for weight, homes in by_weight.items():
+        if len(homes) < 2:
             continue
-        (left, host), (right, _) = (a.args for a in sends)
-        with graph.inserting_before(node):
-            total = graph.call_function(torch.ops.aten.add.Tensor, (left, right))
-            total.meta["val"] = left.meta["val"] + right.meta["val"]
-            home = graph.call_function(ops.grad_to_host, (total, host))
-            home.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(home)
-        for dead in (node, *sends):
-            graph.erase_node(dead)
-        rewritten += 1
-    if rewritten:
+        with graph.inserting_before(homes[-1]):
+            total = homes[0].args[0]
+            for home in homes[1:]:
+                grad = home.args[0]
+                total_val = total.meta["val"] + grad.meta["val"]
+                total = graph.call_function(torch.ops.aten.add.Tensor, (total, grad))
+                total.meta["val"] = total_val
+            graph.call_function(ops.grad_to_host, (total, weight))
+        for home in homes:
+            graph.erase_node(home)
+        removed += len(homes) - 1
+    if removed:
         joint.recompile()
-    return rewritten
+    return removed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,9 @@ graph inputs instead and reruns both ops in the backward right before their firs
 Streamed: the same function as a module whose two weights live in host memory
 (``stream_parameters``, cpu-test profile, defaults otherwise): each graph prefetches every weight
 it reads (prefetch, record, wait right before the first read); the backward sends each weight's
-gradient home (send_grad after it is produced, wait_event keeping it alive, wait_host before the
-output).
+gradient home (send_grad after it is produced, wait_event keeping it alive, accumulate_grad
+handing it to the host thread that adds it into the weight's ``.grad``), and one wait_host
+before the output waits for those additions.
 
 The expected texts live in ``tests/goldens/<case>_<part>.txt``. After an intended change, rerun
 with ``STORM_ACCEPT_GOLDENS=1`` to rewrite them from the actual output, then review their diff.

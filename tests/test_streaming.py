@@ -15,6 +15,7 @@ from storm_compile.config import StormConfig
 from storm_compile.graphs import PassContext, saved_values
 from storm_compile.passes import StormBudgetError, StormVerificationError, verify_graphs
 from storm_compile.pipeline import run_passes
+from storm_compile.runtime import HostAdder
 from storm_compile.simulate import simulate
 from storm_compile.models import LLAMA_PRESETS, build_llama
 from storm_compile.streaming import StormHostMemoryError, stream_parameters
@@ -93,20 +94,26 @@ def test_weights_are_prefetched_in_both_graphs_and_never_saved():
     assert not [n for n in saved_values(graphs) if storage_owner(n).target is ops.prefetch]
 
 
-def test_gradients_leave_on_the_d2h_stream_and_the_host_waits_at_the_end():
+def test_gradients_leave_on_the_d2h_stream_and_the_host_adds_them():
     graphs, _ = _streamed_graphs()
     order = {n: i for i, n in enumerate(graphs.backward.graph.nodes)}
     output = graphs.backward.graph.find_nodes(op="output")[0]
+    (barrier,) = nodes(graphs.backward, ops.wait_host)
+    assert barrier.next is output
+    tokens = []
     for send in nodes(graphs.backward, ops.send_grad):
         (record,) = send.users
         (wait,) = record.users
-        (home,) = wait.users
-        assert home.target is ops.wait_host and list(home.users) == [output]  # no tied weight
-        assert order[send.args[0]] < order[send] < order[wait] < order[home]
+        (add,) = wait.users
+        assert add.target is ops.accumulate_grad and list(add.users) == [barrier]
+        assert add.args[1].op == "placeholder" and add.args[1].meta["val"].device.type == "cpu"
+        assert order[send.args[0]] < order[send] < order[wait] < order[add]
         later = [n for n in graphs.backward.graph.nodes
-                 if order[wait] < order[n] and n.target not in (ops.wait_host, ops.send_grad,
-                                                                ops.record_event)]
+                 if order[wait] < order[n] and n.target not in (ops.accumulate_grad,
+                                                                ops.wait_host)]
         assert send.args[0] not in {a for n in later for a in n.all_input_nodes}
+        tokens.append(add)
+    assert sorted(barrier.args[0], key=order.__getitem__) == tokens
 
 
 def test_streamed_rewrite_is_idempotent():
@@ -123,9 +130,14 @@ def _break_by_reading_the_host_weight(graphs) -> None:
 
 
 def _break_by_skipping_the_host_wait(graphs) -> None:
-    home = nodes(graphs.backward, ops.wait_host)[0]
-    home.replace_all_uses_with(home.args[0])
-    graphs.backward.graph.erase_node(home)
+    graphs.backward.graph.erase_node(nodes(graphs.backward, ops.wait_host)[0])
+
+
+def _break_by_computing_after_the_host_wait(graphs) -> None:
+    barrier = nodes(graphs.backward, ops.wait_host)[0]
+    gradient = nodes(graphs.backward, ops.send_grad)[0].args[0]
+    with graphs.backward.graph.inserting_after(barrier):
+        graphs.backward.graph.call_function(torch.ops.aten.neg.default, (gradient,))
 
 
 def _break_by_sending_from_the_forward(graphs) -> None:
@@ -137,6 +149,7 @@ def _break_by_sending_from_the_forward(graphs) -> None:
 
 @pytest.mark.parametrize("breaker", [_break_by_reading_the_host_weight,
                                      _break_by_skipping_the_host_wait,
+                                     _break_by_computing_after_the_host_wait,
                                      _break_by_sending_from_the_forward])
 def test_verify_rejects_broken_streamed_graphs(breaker):
     graphs, _ = _streamed_graphs()
@@ -214,22 +227,25 @@ def test_tied_embedding_is_streamed_once():
     (graphs,) = captured
     sends = nodes(graphs.backward, ops.send_grad)
     assert len(sends) == len(graphs.storages.sends) == len({s.args[0] for s in sends})
-    assert all(list(home.users)[0].op == "output"
-               for home in nodes(graphs.backward, ops.wait_host)), "summed on the device"
+    weights = [add.args[1] for add in nodes(graphs.backward, ops.accumulate_grad)]
+    assert len(weights) == len(set(weights)), "each weight's gradient goes home once"
 
 
 def test_tied_gradients_are_summed_before_going_home():
     graph = fx.Graph()
-    a, b = graph.placeholder("a"), graph.placeholder("b")
-    homes = [graph.call_function(ops.grad_to_host, (g, torch.device("cpu"))) for g in (a, b)]
-    graph.output(graph.call_function(torch.ops.aten.add.Tensor, tuple(homes)))
-    for node in graph.nodes:
+    a, b, w = (graph.placeholder(name) for name in "abw")
+    for grad in (a, b):
+        graph.call_function(ops.grad_to_host, (grad, w))
+    graph.output(None)
+    for node in (a, b, w):
         node.meta["val"] = torch.ones(2)
     joint = fx.GraphModule({}, graph)
     assert streaming.sum_gradients_on_device(joint) == 1
     assert [n.target for n in joint.graph.nodes if n.op == "call_function"] == \
         [torch.ops.aten.add.Tensor, ops.grad_to_host]
-    torch.testing.assert_close(joint(torch.ones(2), torch.full((2,), 2.0)), torch.full((2,), 3.0))
+    weight = torch.zeros(2, requires_grad=True)
+    joint(torch.ones(2), torch.full((2,), 2.0), weight)
+    torch.testing.assert_close(weight.grad, torch.full((2,), 3.0))
     assert streaming.sum_gradients_on_device(joint) == 0
 
 
@@ -304,3 +320,39 @@ def test_a_byte_budget_below_the_weights_names_the_largest():
     assert isinstance(error, StormBudgetError)
     assert "largest streamed weight while it is read" in str(error)
     assert weights.largest.name in str(error)
+
+
+def test_host_adder_sets_then_adds_and_reuses_its_buffer_after_zero_grad():
+    adder = HostAdder()
+    weight = torch.zeros(3, requires_grad=True)
+    first = torch.ones(3)
+    adder.add(first, weight, None)
+    adder.add(torch.full((3,), 2.0), weight, None)
+    adder.join()
+    torch.testing.assert_close(weight.grad, torch.full((3,), 3.0))
+    assert torch.equal(first, torch.ones(3)), "the incoming buffer is not aliased"
+    storage = weight.grad.untyped_storage().data_ptr()
+    weight.grad = None
+    adder.add(first, weight, None)
+    assert weight.grad.untyped_storage().data_ptr() == storage
+    kept = weight.grad
+    weight.grad = None
+    adder.add(first, weight, None)
+    assert weight.grad.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr(), \
+        "a gradient the user still holds is never overwritten"
+
+
+def test_host_adder_error_is_raised_at_the_wait():
+    adder = HostAdder()
+    weight = torch.zeros(3, requires_grad=True)
+    weight.grad = torch.zeros(3)
+
+    class _FailingEvent:
+        def synchronize(self) -> None:
+            raise ValueError("copy failed")
+
+    adder.add(torch.ones(3), weight, _FailingEvent())
+    with pytest.raises(RuntimeError, match="adding a gradient") as caught:
+        adder.join()
+    assert isinstance(caught.value.__cause__, ValueError)
+    adder.join()

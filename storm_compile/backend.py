@@ -28,6 +28,7 @@ from storm_compile.cost_model import CostModel, MeasuredCosts
 from storm_compile.graphs import PassContext, StormGraphs
 from storm_compile.pin_transfers import inductor_patches
 from storm_compile.pipeline import storm_partition
+from storm_compile.ranks import rank_key
 from storm_compile.vocabulary import is_transfer
 
 log = logging.getLogger("storm_compile")
@@ -53,12 +54,14 @@ class StormPartitioner(CustomPartitionerFn):
     def uuid(self) -> Any:
         """A cache key for AOTAutograd's cache, or None to bypass it: with an observer or a
         cost override, and with a memory budget, whose plan for a graph depends on what the
-        step's other graphs planned (a cache hit would skip recording this graph's share)."""
+        step's other graphs planned (a cache hit would skip recording this graph's share).
+        In a process group each rank keys its own plans, so that every rank plans, and checks
+        with the others (:mod:`storm_compile.ranks`), the same graphs."""
         if self.observer is not None or self.ctx.cost.override is not None \
                 or self.ctx.config.memory_budget is not None:
             return None
         return (get_hash_for_files(_SOURCE_FILES), repr(self.ctx.config),
-                repr(self.ctx.cost.profile))
+                repr(self.ctx.cost.profile), rank_key())
 
     def __reduce__(self):
         """Torch's caches pickle the Inductor config, which holds this partitioner: it pickles

@@ -1,5 +1,5 @@
 """The storm pipeline, in the order it runs: capture → annotate costs → plan → insert
-transfers → verify → compile.
+transfers → verify → agree across ranks → compile.
 
 Capture and compile belong to AOTAutograd and the inner compiler; storm's part sits between
 them, in :func:`storm_partition`, which AOTAutograd calls with the joint graph.
@@ -29,6 +29,7 @@ from storm_compile.passes import (
 from storm_compile.passes.rematerialize import RecomputeRejectedError
 from storm_compile.passes.verify import StormVerificationError
 from storm_compile.plan import Action
+from storm_compile.ranks import check_ranks_agree
 from storm_compile.streaming import refetch_in_backward, sum_gradients_on_device
 
 log = logging.getLogger("storm_compile")
@@ -129,7 +130,9 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
                          records=(split,))
     # 2-5. annotate costs, plan, (re-split to recompute), place, insert transfers; verified.
     graphs = run_passes(graphs, ctx)
+    # 6. agree: every rank of a process group made this same plan.
+    check_ranks_agree(graphs)
     if observer is not None:
         observer(graphs)
-    # 6. compile: AOTAutograd hands both graphs to the inner compiler.
+    # 7. compile: AOTAutograd hands both graphs to the inner compiler.
     return graphs.forward, graphs.backward

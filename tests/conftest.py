@@ -11,11 +11,15 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+MULTI_GPU = 2
+"""Devices the ``multi_gpu`` tests run on: one rank each."""
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not devices:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        elif "multi_gpu" in item.keywords and devices < MULTI_GPU:
+            item.add_marker(pytest.mark.skip(reason=f"needs {MULTI_GPU} CUDA devices"))
 

@@ -20,6 +20,7 @@ import torch
 from storm_compile import ops
 from storm_compile.config import StormOptionError
 from storm_compile.profiles import PROFILES, DeviceProfile, resolve_profile
+from storm_compile.ranks import from_rank_zero
 from storm_compile.vocabulary import MS
 
 COPY_BYTES = 256 << 20
@@ -138,10 +139,16 @@ def cache_path(cache_dir: Path | None = None) -> Path:
 
 
 def auto_profile(without_cuda: str = FALLBACK_PROFILE) -> DeviceProfile:
-    """The cached calibration of the present GPU, measured now if there is none; the built-in
-    profile ``without_cuda`` when there is no CUDA device."""
+    """The cached calibration of the present GPU, measured now if there is none (in a process
+    group of several ranks, rank 0's, shared with the others); the built-in profile
+    ``without_cuda`` when there is no CUDA device."""
     if not torch.cuda.is_available():
         return PROFILES[without_cuda]
+    return DeviceProfile.from_text(from_rank_zero("profile", lambda: _local_profile().to_text()),
+                                   "rank 0's calibration")
+
+
+def _local_profile() -> DeviceProfile:
     path = cache_path()
     if path.is_file():
         try:

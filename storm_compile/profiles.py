@@ -35,32 +35,44 @@ class DeviceProfile:
     @classmethod
     def from_json(cls, path: str | Path) -> "DeviceProfile":
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
+            text = Path(path).read_text()
+        except OSError as error:
             raise ValueError(f"device profile {str(path)!r}: cannot read: {error}") from error
+        return cls.from_text(text, str(path))
+
+    @classmethod
+    def from_text(cls, text: str, source: str) -> "DeviceProfile":
+        """A profile from its JSON text; ``source`` names it in errors."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"device profile {source!r}: cannot read: {error}") from error
         if not isinstance(data, dict):
-            raise ValueError(f"device profile {str(path)!r}: expected a JSON object")
+            raise ValueError(f"device profile {source!r}: expected a JSON object")
         values = {}
         for field in dataclasses.fields(cls):
             if field.name not in data:
-                raise ValueError(f"device profile {str(path)!r}: missing field {field.name!r}")
+                raise ValueError(f"device profile {source!r}: missing field {field.name!r}")
             value = data[field.name]
             if field.name == "name":
                 values["name"] = str(value)
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not 0 <= value < float("inf"):
-                raise ValueError(f"device profile {str(path)!r}: field {field.name!r} must be a "
+                raise ValueError(f"device profile {source!r}: field {field.name!r} must be a "
                                  f"finite, non-negative number, got {value!r}")
             values[field.name] = float(value)
         for name in ("matmul_flops", "fp32_flops", "memory_bandwidth", "h2d_bandwidth",
                      "d2h_bandwidth", "duplex_bandwidth"):
             if values[name] == 0:
-                raise ValueError(f"device profile {str(path)!r}: field {name!r} must be > 0")
+                raise ValueError(f"device profile {source!r}: field {name!r} must be > 0")
         return cls(**values)
 
     def to_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        Path(path).write_text(self.to_text())
+
+    def to_text(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
 
 
 TRANSFER_HOST_S = 178e-6

@@ -7,7 +7,9 @@ rank's own GPU, different options, or different graphs. So every rank publishes 
 of each plan it makes (both rewritten graphs, with device indices left out) in the default
 process group's store, under the plan's position in the process's sequence of storm plans, and
 compares it with every other rank's: a difference, or a rank that never plans that graph, is a
-:class:`StormRankMismatchError` on every rank that waits for it, before anything runs.
+:class:`StormRankMismatchError` on every rank that waits for it, before anything runs. The
+GPU's calibration (``profile="auto"``) is made once, by rank 0, and shared
+(:func:`from_rank_zero`), so that every rank plans with the same costs.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import datetime
 import hashlib
 import itertools
 import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from storm_compile.graphs import StormGraphs
+if TYPE_CHECKING:
+    from storm_compile.graphs import StormGraphs
 
 AGREEMENT_TIMEOUT_S = 600
 """How long a rank waits for the other ranks' plan of the same graph. Ranks reach a graph's
@@ -44,10 +49,30 @@ def rank_key() -> int | None:
     return dist.get_rank()
 
 
-def plan_fingerprint(graphs: StormGraphs) -> str:
+def plan_fingerprint(graphs: "StormGraphs") -> str:
     """A digest of both rewritten graphs' code, the same on every rank for the same plan."""
     code = graphs.forward.code + graphs.backward.code
     return hashlib.sha256(_DEVICE_INDEX.sub(r"device(type='\1')", code).encode()).hexdigest()
+
+
+def from_rank_zero(name: str, make: Callable[[], str],
+                   timeout_s: float = AGREEMENT_TIMEOUT_S) -> str:
+    """``make()`` as rank 0 of the default process group made it, shared with every other rank
+    through the group's store (``make`` runs on rank 0 only); ``make()`` itself outside a group
+    of several ranks."""
+    rank = rank_key()
+    if rank is None:
+        return make()
+    store, key = _store(), f"storm/shared/{name}"
+    if rank == 0:
+        store.set(key, make())
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as error:  # noqa: BLE001 - each backend's store raises its own timeout
+        raise StormRankMismatchError(
+            f"storm: rank {rank} waited {timeout_s:.0f} s for rank 0's {name}: ({error})"
+        ) from error
+    return store.get(key).decode()
 
 
 def _store() -> dist.Store:
@@ -59,7 +84,7 @@ def _store() -> dist.Store:
     return get_store()
 
 
-def check_ranks_agree(graphs: StormGraphs, timeout_s: float = AGREEMENT_TIMEOUT_S) -> None:
+def check_ranks_agree(graphs: "StormGraphs", timeout_s: float = AGREEMENT_TIMEOUT_S) -> None:
     """Raise :class:`StormRankMismatchError` unless every rank of the default process group
     made the same plan for this, the process's next, storm graph. Does nothing outside a
     process group of several ranks."""

@@ -44,9 +44,10 @@ def test_fingerprint_ignores_the_device_index_only():
         ranks.plan_fingerprint(_graphs(on.replace("prefetch", "offload").format(0)))
 
 
-def test_single_process_checks_nothing():
+def test_single_process_checks_nothing_and_shares_its_own():
     assert ranks.rank_key() is None
     ranks.check_ranks_agree(_graphs("anything"))
+    assert ranks.from_rank_zero("value", lambda: "mine") == "mine"
 
 
 def _outcome(action) -> str:
@@ -61,6 +62,7 @@ def _fingerprints(rank: int) -> dict:
     return {
         "agree": _outcome(lambda: ranks.check_ranks_agree(_graphs("same"))),
         "differ": _outcome(lambda: ranks.check_ranks_agree(_graphs(f"rank {min(rank, 1)}"))),
+        "shared": ranks.from_rank_zero("test value", lambda: f"made by rank {rank}"),
         "missing": _outcome(lambda: ranks.check_ranks_agree(_graphs("x"), MISSING_TIMEOUT_S))
         if rank == 0 else "skipped",
     }
@@ -168,6 +170,7 @@ def test_ranks_compare_their_fingerprints(tmp_path):
     assert first["differ"].startswith("mismatch: storm: ranks [1]")
     assert second["differ"].startswith("mismatch: storm: ranks [1]")
     assert "waited 2 s" in first["missing"]
+    assert first["shared"] == second["shared"] == "made by rank 0"
 
 
 ON_GPUS = [pytest.param(False, id="cpu"),

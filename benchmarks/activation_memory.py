@@ -12,6 +12,13 @@ fraction, D2H and H2D copy time and the fraction of copy time overlapping comput
     python -m benchmarks.activation_memory --quick --out DIR      # smallest configuration
     python -m benchmarks.activation_memory --configs wide --methods compile,storm --profile storm
     python -m benchmarks.activation_memory --smoke --out DIR      # CPU: the harness itself
+    python -m benchmarks.activation_memory --nproc 2 --quick      # every method under DDP and FSDP2
+
+With ``--nproc N`` the run spawns N ranks on this machine (one GPU each, NCCL; gloo with
+``--smoke``) and runs every method under each of ``--engines``: DDP (its default
+DDPOptimizer split under torch.compile) and FSDP2 (each block and the root ``fully_shard``ed,
+the whole model compiled). Each rank trains on its own batch; the table shows rank 0's
+figures, the step time as the slowest rank's, and gradient errors on the full gradients.
 
 Writes ``results.md`` (tabulate, ratios against torch.compile of the same run), ``results.json``
 (every raw number and the environment) and, with matplotlib, ``pareto_<config>.png``.
@@ -22,8 +29,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
+import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -31,6 +41,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.utils.checkpoint
 from tabulate import tabulate
 
@@ -69,17 +81,23 @@ def _no_pinned_memory() -> int:
     return 0
 
 
+def _unchanged(model: GPT) -> None:
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """How one method runs a step: wrap the model once, a context around each step, and how
-    many pinned host bytes it holds for the backward."""
+    """How one method runs a step: change the model in place before any engine wraps it,
+    wrap the (engine's) model once, a context around each step, and how many pinned host
+    bytes it holds for the backward."""
 
     name: str
-    wrap: Callable[[GPT], Callable[[torch.Tensor], torch.Tensor]]
+    wrap: Callable[[torch.nn.Module], Callable[[torch.Tensor], torch.Tensor]]
     step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     pinned_bytes: Callable[[], int] = _no_pinned_memory
     predict: Callable[[], dict] | None = None
     """For storm methods: the cost model's predictions for the graphs it compiled."""
+    prepare: Callable[[GPT], None] = _unchanged
 
 
 class _CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
@@ -99,13 +117,29 @@ class _CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         self.pack_hook = counting_pack
 
 
-def _checkpointed(model: GPT) -> Callable[[torch.Tensor], torch.Tensor]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        for block in model.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-        return x
+def _checkpoint_blocks(model: GPT) -> None:
+    """Each block's forward runs under non-reentrant checkpointing; the module hooks of an
+    engine (DDP, FSDP2) still run around it."""
+    for block in model.blocks:
+        block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                          use_reentrant=False)
 
-    return forward
+
+def _ddp(model: GPT) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+def _fsdp2(model: GPT) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+ENGINES: dict[str, Callable[[GPT], torch.nn.Module]] = {"ddp": _ddp, "fsdp2": _fsdp2}
 
 
 def _with_budget(budget: float) -> Callable[[], contextlib.AbstractContextManager]:
@@ -166,7 +200,7 @@ def methods(cpu: bool = False) -> dict[str, Method]:
     table = [
         Method("eager", lambda m: m),
         Method("compile", lambda m: torch.compile(m)),
-        Method("checkpoint", _checkpointed),
+        Method("checkpoint", lambda m: m, prepare=_checkpoint_blocks),
         Method("compile-budget-0.5", lambda m: torch.compile(m), _with_budget(0.5)),
         Method("compile-budget-0.1", lambda m: torch.compile(m), _with_budget(0.1)),
         Method("save_on_cpu", lambda m: m, _CountingSaveOnCpu,
@@ -237,13 +271,34 @@ def _gib(value: int | None) -> float | None:
     return None if value is None else value / GIB
 
 
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as one tensor (FSDP2's are sharded DTensors)."""
+    full = getattr(grad, "full_tensor", None)
+    return (full() if full is not None else grad).detach()
+
+
+def _slowest(ms: float) -> float:
+    """The slowest rank's time, in a process group; ``ms`` itself outside one."""
+    if not dist.is_initialized():
+        return ms
+    value = torch.tensor([ms], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
 def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Path,
-               config_name: str, reference_grads: dict | None) -> dict:
-    """Measure one method; with ``reference_grads`` None, keep its gradients as the reference."""
+               config_name: str, reference_grads: dict | None, engine: str | None = None
+               ) -> dict:
+    """Measure one method, under ``engine`` when given; with ``reference_grads`` None, keep
+    its gradients as the reference."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, (x,) = build_gpt(shape, "cuda" if dev.cuda else "cpu")
-    run = method.wrap(model)
+    if dist.is_initialized():
+        with torch.no_grad():
+            x.add_(dist.get_rank())          # each rank its own batch
+    method.prepare(model)
+    run = method.wrap(model if engine is None else ENGINES[engine](model))
     dev.sync()
     base = dev.allocated()
     held: dict[str, int | None] = {}
@@ -274,15 +329,15 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
         for _ in range(args.steps):
             step()
     result = {
-        "method": method.name, "step_ms": statistics.median(times),
-        "back_to_back_step_ms": back_to_back[0] / args.steps,
+        "method": method.name, "step_ms": _slowest(statistics.median(times)),
+        "back_to_back_step_ms": _slowest(back_to_back[0] / args.steps),
         "activation_gib": _gib(_minus(held["device"], base)),
         "peak_gib": _gib(_minus(peak, base)),
         "pinned_gib": _gib(held["pinned"]),
         "pinnings_per_step": _minus(allocations_after, allocations_before) / args.steps
         if dev.cuda else None,
     }
-    grads = {n: p.grad.detach() for n, p in model.named_parameters()}
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
     if reference_grads is not None:
         result["grad_rel_error"] = _grad_error(grads, reference_grads)
     if method.name == REFERENCE:
@@ -332,12 +387,13 @@ def _link_bandwidth() -> dict:
 
 
 def run_config(name: str, shape: GPTShape, chosen: list[Method], dev: _Device, args,
-               out_dir: Path) -> list[dict]:
+               out_dir: Path, engine: str | None = None) -> list[dict]:
     rows = []
     reference_grads = None
     for method in chosen:
         try:
-            rows.append(run_method(method, shape, dev, args, out_dir, name, reference_grads))
+            rows.append(run_method(method, shape, dev, args, out_dir, name, reference_grads,
+                                   engine))
             if method.name == REFERENCE:
                 reference_grads = rows[-1].pop("grads")
         except Exception as error:  # a failing method is reported in its row; the run goes on
@@ -347,6 +403,8 @@ def run_config(name: str, shape: GPTShape, chosen: list[Method], dev: _Device, a
         finally:
             if dev.cuda:
                 torch.cuda.empty_cache()
+        if dist.is_initialized() and dist.get_rank():
+            continue
         print(f"[{name}] {rows[-1]['method']}: "
               f"{rows[-1].get('error') or '%.2f ms' % rows[-1]['step_ms']}", flush=True)
     return rows
@@ -446,8 +504,19 @@ def _parse(argv):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="ranks on this machine, one GPU each (gloo on the CPU with "
+                             "--smoke); every method runs under each of --engines")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help=f"with --nproc: comma-separated, of {', '.join(ENGINES)}")
     args = parser.parse_args(argv)
     args.profile = [m for m in args.profile.split(",") if m]
+    args.engines = [e for e in args.engines.split(",") if e]
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        parser.error(f"unknown engine(s) {unknown}; known: {', '.join(ENGINES)}")
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
     return args
 
 
@@ -480,24 +549,60 @@ def main(argv=None) -> int:
         print("activation_memory: no CUDA device; the GPU benchmark needs one "
               "(--smoke runs the harness on the CPU)", file=sys.stderr)
         return EXIT_NO_CUDA
+    elif args.nproc > torch.cuda.device_count():
+        print(f"activation_memory: --nproc {args.nproc} needs as many GPUs; this machine has "
+              f"{torch.cuda.device_count()}", file=sys.stderr)
+        return EXIT_NO_CUDA
     else:
         dev = _Device("cuda")
+    if args.nproc > 1:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        mp.spawn(_rank, args=(args, port), nprocs=args.nproc)
+        return 0
+    _run(args, dev, engines=[None])
+    return 0
+
+
+def _rank(rank: int, args, port: int) -> None:
+    """One rank of a ``--nproc`` run: the whole run under each engine; rank 0 writes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_WORLD_SIZE=str(args.nproc))
+    cuda = not args.smoke
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.nproc)
+    try:
+        _run(args, _Device("cuda" if cuda else "cpu"), engines=args.engines)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(args, dev: _Device, engines: list[str | None]) -> None:
     configs, chosen = _select(args, cpu=not dev.cuda)
-    args.out.mkdir(parents=True, exist_ok=True)
+    writes = not dist.is_initialized() or dist.get_rank() == 0
+    if writes:
+        args.out.mkdir(parents=True, exist_ok=True)
     environment = {"torch": torch.__version__, "python": platform.python_version(),
-                   "device": torch.cuda.get_device_name() if dev.cuda else platform.processor()}
+                   "device": torch.cuda.get_device_name() if dev.cuda else platform.processor(),
+                   "ranks": args.nproc}
     if dev.cuda:
         environment["link"] = _link_bandwidth()
     results = {"environment": environment, "configs": {}}
     for name, shape in configs.items():
-        results["configs"][name] = run_config(name, shape, chosen, dev, args, args.out)
-        results.setdefault("shapes", {})[name] = dataclasses.asdict(shape)
+        for engine in engines:
+            key = name if engine is None else f"{name}-{engine}"
+            results["configs"][key] = run_config(name, shape, chosen, dev, args, args.out,
+                                                 engine)
+            results.setdefault("shapes", {})[key] = dataclasses.asdict(shape)
+    if not writes:
+        return
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
     (args.out / "results.md").write_text(table)
     plot(results, args.out)
     print(table)
-    return 0
 
 
 if __name__ == "__main__":

@@ -27,6 +27,18 @@ def test_smoke_writes_table_and_json(tmp_path):
     assert "| storm " in table and "step ×" in table
 
 
+def test_smoke_runs_every_method_under_each_engine_on_two_ranks(tmp_path):
+    methods = ["compile", "checkpoint", "storm-budget-0.5"]
+    assert activation_memory.main(["--smoke", "--nproc", "2", "--methods", ",".join(methods),
+                                   "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["environment"]["ranks"] == 2
+    assert sorted(results["configs"]) == ["smoke-ddp", "smoke-fsdp2"]
+    for rows in results["configs"].values():
+        assert [r["method"] for r in rows] == methods and not [r for r in rows if "error" in r]
+        assert all(r["grad_rel_error"] < 1e-3 for r in rows[1:])
+
+
 def test_every_storm_preset_is_a_method():
     names = set(activation_memory.methods())
     assert set(PRESETS) <= names

@@ -10,6 +10,8 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
   more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``, AdamW on
   the host; the process's GPU memory capped at ``--cap-gib`` with
   ``torch.cuda.set_per_process_memory_fraction``.
+* ``storm-overlap``: ``storm`` with :class:`~storm_compile.streaming.OverlappedOptimizer`: the
+  streamed parameters are stepped during the backward of each step's last micro-batch.
 * ``fsdp2-offload``: ``fully_shard`` on every block and the root with ``CPUOffloadPolicy`` on a
   one-rank process group (torch's hook-based offload), eager, AdamW on the host, same cap.
 
@@ -35,7 +37,9 @@ Writes ``results.json`` and ``results.md`` after every row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -57,11 +61,15 @@ from storm_compile.config import StormConfig
 from storm_compile.graphs import StormGraphs
 from storm_compile.models import LLAMA_PRESETS, LlamaShape, Llama
 from storm_compile.simulate import simulate
-from storm_compile.streaming import DEFAULT_RESIDENT_BYTES, stream_parameters
+from storm_compile.streaming import (
+    DEFAULT_RESIDENT_BYTES,
+    OverlappedOptimizer,
+    stream_parameters,
+)
 from storm_compile.vocabulary import GIB, MS
 
 REFERENCE = "compile"
-METHODS = ("compile", "storm", "fsdp2-offload")
+METHODS = ("compile", "storm", "storm-overlap", "fsdp2-offload")
 LEARNING_RATE = 3e-4
 """A usual AdamW rate for models of this size: the loss moves visibly within 100 steps."""
 MODEL_SEED = 0
@@ -101,12 +109,15 @@ def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Ten
     return batches
 
 
-def _trainer(forward: Callable, optimizer: torch.optim.Optimizer, sync: Callable[[], None]
-             ) -> Callable:
+def _trainer(forward: Callable, optimizer: torch.optim.Optimizer, sync: Callable[[], None],
+             overlapped: OverlappedOptimizer | None = None) -> Callable:
+    """With ``overlapped``, the last micro-batch's backward steps the streamed parameters."""
     def step(micro_batches):
-        for tokens, targets in micro_batches:
+        for index, (tokens, targets) in enumerate(micro_batches):
             loss = forward(tokens, targets) / len(micro_batches)
-            loss.backward()
+            last = index == len(micro_batches) - 1
+            with overlapped.final_backward() if overlapped and last else contextlib.nullcontext():
+                loss.backward()
         sync()
         begin = time.perf_counter()
         optimizer.step()
@@ -130,7 +141,7 @@ def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
     return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda: None)
 
 
-def _storm(shape: LlamaShape, args, cuda: bool) -> _Run:
+def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
     _cap(args.cap_gib, cuda)
     model = _model(shape)
     stream_parameters(model, args.device, resident_bytes=args.resident_bytes)
@@ -145,7 +156,9 @@ def _storm(shape: LlamaShape, args, cuda: bool) -> _Run:
 
     backend = StormBackend(StormConfig.from_options(**options), observer=observe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync),
+    overlapped = OverlappedOptimizer(optimizer) if overlap else None
+    return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
+                         overlapped),
                 lambda: sum(predicted) if predicted else None)
 
 
@@ -167,7 +180,9 @@ def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
     return _Run(_trainer(model, optimizer, args.sync), lambda: None)
 
 
-BUILDERS = {"compile": _compile, "storm": _storm, "fsdp2-offload": _fsdp2_offload}
+BUILDERS = {"compile": _compile, "storm": _storm,
+            "storm-overlap": functools.partial(_storm, overlap=True),
+            "fsdp2-offload": _fsdp2_offload}
 
 
 def _release() -> None:

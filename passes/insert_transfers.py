@@ -54,7 +54,9 @@ and each ``storm.grad_to_host(g, w)`` of the backward (``graphs.storages.sends``
     g_host_done  = storm.wait_event(g_host_ready, g)  # g's last use: its memory is released
     g_token      = storm.accumulate_grad(g_host_done, w)   # a host thread adds it into w.grad
     ...
-    storm.wait_host([g_token, ...])                   # every send's token, before the output
+    storm.wait_host([g_token, ...])                   # every send's token, before the output:
+                                                      # the additions are done by the end of
+                                                      # the backward pass
     return (...)
 
 ``meta["val"]`` of every new node, and of ``h1..hk``, comes from the ops' fake implementations;

@@ -35,7 +35,9 @@ copy is done, while the GPU runs on::
     h2 = storm.wait_event(h1, g)        # compute stream waits; g's last use, its memory is freed
     t  = storm.accumulate_grad(h2, w)   # the host thread adds h2 into w.grad after the copy
     ...compute...
-    storm.wait_host([t, ...])           # the graph's last node: every addition is done
+    storm.wait_host([t, ...])           # the graph's last node: every addition is done when
+                                        # the autograd engine's backward pass ends (at once
+                                        # outside one), so graphs split by a break all launch
 
 NOTE: the GPU memory of an offloaded tensor is released by ordinary reference counting (the
 wait is the tensor's last use, after which Inductor and FX drop it), not by ``record_stream``

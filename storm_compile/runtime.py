@@ -8,10 +8,13 @@ scattered across the ops.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import queue
 import threading
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -21,6 +24,14 @@ log = logging.getLogger("storm_compile")
 
 def _storage_use_count(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def _current_backward() -> int | None:
+    """The autograd engine's running backward pass (its graph task id), or None outside one
+    (or where this torch cannot tell)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    task = -1 if current is None else current()
+    return None if task == -1 else task
 
 
 BUCKETS_PER_DOUBLING = 8
@@ -97,10 +108,26 @@ class PinnedPool:
         self.reserved_bytes = 0
 
 
+Step = Callable[[torch.Tensor], None]
+"""Applies the optimizer to one parameter whose gradient is complete."""
+
+
+@dataclasses.dataclass
+class _PendingStep:
+    param: torch.Tensor
+    step: Step
+    adds_left: int
+
+
 class HostAdder:
     """Adds gradients that arrive in host buffers into their parameters' ``.grad`` on one host
     thread, in arrival order, each after the copy that fills its buffer is done, so that the
     thread launching the backward's kernels never waits for a copy home or for the additions.
+
+    An addition may carry a ``step`` for its parameter (an optimizer overlapped with the
+    backward): it runs once the parameter's additions are all done and :meth:`join` has been
+    called, that is, once the whole backward has been launched and every gradient it sends is
+    known; on the thread, between additions, while the GPU finishes the backward.
 
     A parameter whose ``.grad`` is None gets a buffer this object keeps for it, reused from
     step to step while nothing else holds it (after ``zero_grad``): a fresh host allocation of
@@ -113,52 +140,95 @@ class HostAdder:
         self._thread: threading.Thread | None = None
         self._buffers = WeakIdKeyDictionary()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._steps: dict[int, _PendingStep] = {}
+        self._launched = threading.Event()
 
-    def add(self, x: torch.Tensor, param: torch.Tensor,
-            event: torch.cuda.Event | None) -> None:
+    def add(self, x: torch.Tensor, param: torch.Tensor, event: torch.cuda.Event | None,
+            step: Step | None = None) -> None:
         """Add ``x`` into ``param.grad`` once ``event`` (when given) has completed: now when
-        there is nothing to wait for and nothing queued, else on the thread."""
+        there is nothing to wait for and nothing queued, else on the thread; then ``step``
+        it, when given, as the class says."""
+        if step is not None:
+            with self._lock:
+                pending = self._steps.setdefault(id(param), _PendingStep(param, step, 0))
+                pending.adds_left += 1
         if event is None and self._jobs.unfinished_tasks == 0:
             self._add_now(x, param)
             return
+        self._put((x, param, event))
+
+    def join(self) -> None:
+        """Run the pending steps, wait until every queued addition and step is done; raise the
+        first error one hit."""
+        if self._steps:
+            self._launched.set()
+            self._put(None)
+        self._jobs.join()
+        self._launched.clear()
+        error, self._error = self._error, None
+        leftover = [p.param for p in self._steps.values()]
+        self._steps.clear()
+        if error is not None:
+            raise RuntimeError("storm: adding a gradient into its host parameter, or the "
+                               "optimizer step after it, failed") from error
+        if leftover:
+            raise RuntimeError(f"storm: {len(leftover)} parameters' optimizer steps did not "
+                               f"run: their gradients did not all arrive")
+
+    def _put(self, job) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="storm-host-adder",
                                             daemon=True)
             self._thread.start()
-        self._jobs.put((x, param, event))
-
-    def join(self) -> None:
-        """Wait until every queued addition is done; raise the first error one hit."""
-        self._jobs.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError("storm: adding a gradient into its host parameter failed") \
-                from error
+        self._jobs.put(job)
 
     def _run(self) -> None:
         while True:
-            x, param, event = self._jobs.get()
+            job = self._jobs.get()
             try:
-                if event is not None:
-                    event.synchronize()
-                self._add_now(x, param)
+                if job is not None:
+                    x, param, event = job
+                    while event is not None and not event.query():
+                        if not self._step_one():
+                            event.synchronize()
+                    self._add_now(x, param)
+                while self._step_one():
+                    pass
             except BaseException as error:  # noqa: BLE001 - handed to join
                 self._error = self._error or error
             finally:
-                del x, param, event
+                job = x = param = event = None
                 self._jobs.task_done()
+
+    def _step_one(self) -> bool:
+        """Run one step whose additions are done, once the backward is launched; whether one
+        ran."""
+        if not self._launched.is_set():
+            return False
+        with self._lock:
+            ready = next((key for key, p in self._steps.items() if p.adds_left == 0), None)
+            if ready is None:
+                return False
+            pending = self._steps.pop(ready)
+        pending.step(pending.param)
+        return True
 
     def _add_now(self, x: torch.Tensor, param: torch.Tensor) -> None:
         with torch.no_grad():
             if param.grad is not None:
                 param.grad.add_(x)
-                return
-            buffer, idle_count = self._buffers.get(param, (None, 0))
-            if buffer is None or _storage_use_count(buffer) != idle_count \
-                    or buffer.shape != param.shape or buffer.dtype != param.dtype:
-                buffer = torch.empty_like(param, memory_format=torch.contiguous_format)
-                self._buffers[param] = (buffer, _storage_use_count(buffer))
-            param.grad = buffer.copy_(x).detach()  # its own tensor: holders count as users
+            else:
+                buffer, idle_count = self._buffers.get(param, (None, 0))
+                if buffer is None or _storage_use_count(buffer) != idle_count \
+                        or buffer.shape != param.shape or buffer.dtype != param.dtype:
+                    buffer = torch.empty_like(param, memory_format=torch.contiguous_format)
+                    self._buffers[param] = (buffer, _storage_use_count(buffer))
+                param.grad = buffer.copy_(x).detach()  # its own tensor: holders count as users
+        with self._lock:
+            pending = self._steps.get(id(param))
+            if pending is not None:
+                pending.adds_left -= 1
 
 
 class TransferRuntime:
@@ -169,10 +239,15 @@ class TransferRuntime:
         self.pool = PinnedPool()
         self._d2h: dict[torch.device, torch.cuda.Stream] = {}
         self._h2d: dict[torch.device, torch.cuda.Stream] = {}
-        self._launched: dict[int, tuple[torch.cuda.Stream, torch.device, bool]] = {}
+        self._launched: dict[int, tuple[torch.cuda.Stream, torch.device, bool, int | None]] = {}
         self._events: dict[int, tuple[torch.cuda.Event, torch.device]] = {}
         self._host_events: dict[int, torch.cuda.Event] = {}
+        self._host_reads: dict[int, torch.cuda.Event] = {}
         self._adder = HostAdder()
+        self._joined_task: int | None = None
+        self.stepper: Step | None = None
+        """While set (:class:`storm_compile.streaming.OverlappedOptimizer`), each streamed
+        parameter is stepped once its gradient is complete."""
         self._warned_pinning = False
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
@@ -192,19 +267,22 @@ class TransferRuntime:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-        self._launched[dst.data_ptr()] = (stream, device, host_reads)
+        host_source = src.data_ptr() if src.device.type == "cpu" else None
+        self._launched[dst.data_ptr()] = (stream, device, host_reads, host_source)
 
     def record(self, tensor: torch.Tensor) -> None:
         """Record the completion event of the copy that produced ``tensor``, if one is pending."""
         launched = self._launched.pop(tensor.data_ptr(), None)
         if launched is None:
             return
-        stream, device, host_reads = launched
+        stream, device, host_reads, host_source = launched
         event = torch.cuda.Event()
         event.record(stream)
         self._events[tensor.data_ptr()] = (event, device)
         if host_reads:
             self._host_events[tensor.data_ptr()] = event
+        if host_source is not None:
+            self._host_reads[host_source] = event
 
     def wait(self, tensor: torch.Tensor) -> None:
         """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""
@@ -215,11 +293,31 @@ class TransferRuntime:
 
     def accumulate(self, x: torch.Tensor, param: torch.Tensor) -> None:
         """Add host tensor ``x`` into ``param.grad``, after the copy that produced ``x``
-        (launched with ``host_reads``) when one is pending, without blocking the caller."""
-        self._adder.add(x, param, self._host_events.pop(x.data_ptr(), None))
+        (launched with ``host_reads``) when one is pending, without blocking the caller; with a
+        :attr:`stepper`, step ``param`` once its gradient is complete and no copy launched from
+        it is still reading it."""
+        step = None if self.stepper is None else functools.partial(self._step, self.stepper)
+        self._adder.add(x, param, self._host_events.pop(x.data_ptr(), None), step)
+
+    def _step(self, stepper: Step, param: torch.Tensor) -> None:
+        reading = self._host_reads.pop(param.data_ptr(), None)
+        if reading is not None:
+            reading.synchronize()
+        stepper(param)
 
     def wait_host(self) -> None:
-        """Block the host until every :meth:`accumulate` is done."""
+        """Every :meth:`accumulate` done (and its step) when the autograd engine's backward
+        pass ends, or now outside one: a backward of several graphs (graph breaks) launches
+        them all before the host waits, and the steps know every gradient they wait for."""
+        task = _current_backward()
+        if task is None:
+            self._adder.join()
+        elif task != self._joined_task:
+            self._joined_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._joined_task = None
         self._adder.join()
 
     def warn_pinning_failed(self, nbytes: int, limit: int) -> None:

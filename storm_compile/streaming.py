@@ -18,8 +18,10 @@ backends run the same copies in program order: correct, with nothing hidden.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import fx, nn
@@ -27,6 +29,7 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import CheckpointPolicy
 
 from storm_compile import ops
+from storm_compile.runtime import get_runtime
 from storm_compile.vocabulary import GIB, MIB, RECOMPUTE_TAG, tensor_bytes
 
 DEFAULT_RESIDENT_BYTES = 1 * MIB
@@ -139,6 +142,64 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
         _register_state_dict_names(module, tuple(names))
     return Streamed(names=tuple(n for n, _ in streamed), host_bytes=host_bytes,
                     resident=tuple(n for n, _ in resident))
+
+
+class OverlappedOptimizer:
+    """Steps ``optimizer`` for each streamed parameter during the backward that completes its
+    gradient, on the host thread that adds the gradients, while the GPU finishes that backward:
+    the optimizer's host time overlaps the backward instead of following it.
+
+    Use it around the backward of an optimizer step's last micro-batch::
+
+        overlapped = OverlappedOptimizer(optimizer)
+        for i, batch in enumerate(micro_batches):
+            loss = compiled(batch) / len(micro_batches)
+            if i < len(micro_batches) - 1:
+                loss.backward()
+            else:
+                with overlapped.final_backward():
+                    loss.backward()     # streamed parameters stepped, their .grad set to None
+        optimizer.step()                # steps the rest (parameters left on the device)
+        optimizer.zero_grad()
+
+    A streamed parameter is stepped once the whole backward has been launched, all of its
+    gradient has arrived and no copy launched from it is still reading it; ``backward()``
+    returns after every step. Its ``.grad`` is None afterwards, so ``optimizer.step()`` skips
+    it, and LR schedulers and ``state_dict`` work on ``optimizer`` as usual. Gradient clipping
+    over streamed parameters needs their whole gradient before any step: clip without this
+    class. The optimizer must step each parameter independently of the others (AdamW, Adam,
+    SGD and the like, not LBFGS).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._group_of = {id(p): group for group in optimizer.param_groups
+                          for p in group["params"]}
+
+    @contextlib.contextmanager
+    def final_backward(self) -> Iterator[None]:
+        """Step the streamed parameters during the backward run inside this block."""
+        runtime = get_runtime()
+        if runtime.stepper is not None:
+            raise RuntimeError("OverlappedOptimizer.final_backward: already inside one")
+        runtime.stepper = self._step
+        try:
+            yield
+        finally:
+            runtime.stepper = None
+
+    def _step(self, param: torch.Tensor) -> None:
+        group = self._group_of.get(id(param))
+        if group is None:
+            raise ValueError(f"OverlappedOptimizer: a streamed parameter of shape "
+                             f"{tuple(param.shape)} is not in the optimizer")
+        groups = self.optimizer.param_groups
+        self.optimizer.param_groups = [{**group, "params": [param]}]
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.param_groups = groups
+        param.grad = None
 
 
 def refetch_in_backward(joint: fx.GraphModule) -> int:

@@ -160,11 +160,13 @@ def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
 def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     assert streaming.main(["--smoke", "--tokens", "32", "--micro-batches", "2",
                            "--loss-steps", "2", "--loss-tokens", "32", "--steps", "1",
-                           "--methods", "compile,storm", "--out", str(tmp_path)]) == 0
+                           "--methods", "compile,storm,storm-overlap",
+                           "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["loss"]["summary"]["storm"]["max_abs_diff"] < 1e-4
+    assert results["loss"]["summary"]["storm-overlap"]["max_abs_diff"] < 1e-4
     rows = results["throughput"]
-    assert [r["method"] for r in rows] == ["compile", "storm"]
+    assert [r["method"] for r in rows] == ["compile", "storm", "storm-overlap"]
     assert all(r["tokens_per_s"] > 0 and r["micro_batches"] == 2 for r in rows)
     assert "pred_tokens_per_s" in rows[1]
     assert "tokens/s" in (tmp_path / "results.md").read_text()

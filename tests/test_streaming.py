@@ -3,6 +3,8 @@ model they came from, in eager mode, under aot_eager and under storm."""
 
 import copy
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -27,6 +29,8 @@ RESIDENT_BYTES = 4096
 BACKENDS = {"eager": None, "aot_eager": "aot_eager", "storm": storm(**CPU_TEST_OPTIONS)}
 STEPS = 3
 MICRO_BATCHES = 2
+WORKER_SETTLE_S = 0.2
+"""Time the adder's thread gets to (wrongly) run a step before the test looks."""
 
 
 def _pair(shape=SHAPE):
@@ -348,6 +352,9 @@ def test_host_adder_error_is_raised_at_the_wait():
     weight.grad = torch.zeros(3)
 
     class _FailingEvent:
+        def query(self) -> bool:
+            return False
+
         def synchronize(self) -> None:
             raise ValueError("copy failed")
 
@@ -356,3 +363,72 @@ def test_host_adder_error_is_raised_at_the_wait():
         adder.join()
     assert isinstance(caught.value.__cause__, ValueError)
     adder.join()
+
+
+class _Copy:
+    """A copy's event for the adder: done when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.done.wait()
+
+
+def test_host_adder_steps_a_parameter_after_its_last_addition_and_the_join():
+    adder = HostAdder()
+    first, second = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    seen = []
+
+    def step(param):
+        seen.append((param is first, param.grad.clone()))
+        param.grad = None
+
+    copies = [_Copy() for _ in range(3)]
+    adder.add(torch.ones(2), first, copies[0], step)
+    adder.add(torch.ones(2), second, copies[1], step)
+    adder.add(torch.full((2,), 2.0), first, copies[2], step)
+    for copy in copies:
+        copy.done.set()
+    time.sleep(WORKER_SETTLE_S)
+    assert seen == [], "no step before the backward is launched (join)"
+    adder.join()
+    assert len(seen) == 2
+    by_param = {is_first: grad for is_first, grad in seen}
+    torch.testing.assert_close(by_param[True], torch.full((2,), 3.0))
+    torch.testing.assert_close(by_param[False], torch.ones(2))
+    assert first.grad is None and second.grad is None
+
+
+def _train_overlapped(net, batch, backend) -> list[torch.Tensor]:
+    """_train's loop with the streamed parameters stepped during each last backward."""
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2)
+    overlapped = streaming.OverlappedOptimizer(optimizer)
+    run = torch.compile(net, backend=backend)
+    for _ in range(STEPS):
+        for index in range(MICRO_BATCHES):
+            loss = run(*batch) / MICRO_BATCHES
+            if index < MICRO_BATCHES - 1:
+                loss.backward()
+                continue
+            with overlapped.final_backward():
+                loss.backward()
+            assert all(p.grad is None for n, p in net.named_parameters() if "norm" not in n)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    return [p.detach().cpu() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["eager", "storm"])
+def test_overlapped_optimizer_steps_like_the_optimizer(backend):
+    reference, model, batch = _pair()
+    _, expected = _train(reference, batch, storm(**CPU_TEST_OPTIONS), lr=1e-2, fused=True,
+                         scheduled=True)
+    params = _train_overlapped(model, batch, BACKENDS[backend] or "eager")
+    for param, want in zip(params, expected):
+        torch.testing.assert_close(param, want)

@@ -4,8 +4,8 @@
 gpt (its default shape, the benchmark's d2048/T2048/B4, bf16, with ``--layers`` blocks) as
 ``storm schedule`` does and prints the seconds each pass took, summed over its runs from the
 pass records on the graphs: the partitioner's splits (``split``, and ``rematerialize``'s
-re-split) are torch's min-cut; the planner is ``plan_offload`` + ``plan_memory``; placement is
-``place_transfers``.
+re-split) are torch's min-cut; the planner is ``plan_offload`` + ``plan_memory`` +
+``plan_weights``; placement is ``place_transfers``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from storm_compile import cli
 from storm_compile.config import DEFAULT_PROFILE
 from storm_compile.graphs import StormGraphs
 
-PLANNER_PASSES = ("plan_offload", "plan_memory")
+PLANNER_PASSES = ("plan_offload", "plan_memory", "plan_weights")
 
 
 def pass_seconds(graphs: StormGraphs) -> dict[str, float]:

@@ -44,6 +44,11 @@ of either graph becomes, with ``issue_after`` and ``first_read`` from its :class
     <views of the fetch, moved here>
     first_read(...)
 
+and each ``w_dev = storm.fetch_weight(w, device)`` of a weight in
+``graphs.storages.resident`` becomes, in both graphs, in place::
+
+    w_dev       = storm.resident_weight(w, device)    # the device copy kept across steps
+
 and each ``storm.grad_to_host(g, w)`` of the backward (``graphs.storages.sends``) becomes::
 
     issue_after(...)                                  # g's producer or a later node
@@ -222,6 +227,12 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             for view in reversed(view_chain(member)):
                 if not view.users:
                     graphs.forward.graph.erase_node(view)
+    resident = {w.name for w in graphs.storages.resident}
+    kept = [node for gm in (graphs.forward, graphs.backward)
+            for node in gm.graph.find_nodes(op="call_function", target=ops.fetch_weight)
+            if node.args[0].name in resident]
+    for node in kept:
+        node.target = ops.resident_weight
     unsent = set(graphs.backward.graph.find_nodes(op="call_function", target=ops.grad_to_host))
     sends = [s for s in graphs.storages.sends if s.node in unsent]
     tokens = [_send_home(graphs.backward.graph, send, ctx)
@@ -230,7 +241,7 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     if tokens:
         with graphs.backward.graph.inserting_before(output_node(graphs.backward)):
             graphs.backward.graph.call_function(ops.wait_host, (tokens,))
-    if offloads or sends or any(fetches.values()):
+    if offloads or sends or kept or any(fetches.values()):
         graphs.forward.recompile()
         graphs.backward.recompile()
     return graphs

@@ -11,6 +11,7 @@ Checks, on top of ``fx.Graph.lint``:
     own fetch), in the backward an ``accumulate_grad`` (which adds into the weight's
     ``.grad``, not its data): in the backward a saved activation's host copy or a streamed
     weight, in the forward a streamed weight;
+  * ``resident_weight`` reads a graph input (a streamed weight);
   * ``send_grad`` only in the backward, its wait keeping the gradient alive and read only by
     one ``accumulate_grad``, whose token is read only by the graph's one ``wait_host``, the
     last node before the output.
@@ -112,8 +113,17 @@ def _check_backward(graphs: StormGraphs) -> None:
                                        f"{list(adds[0].users)}")
 
 
+def _check_resident(graph_name: str, graph: fx.Graph) -> None:
+    for node in graph.find_nodes(op="call_function", target=ops.resident_weight):
+        if node.args[0].op != "placeholder":
+            _fail(graph_name, node, f"keeps {node.args[0].name!r} on the device, which is not "
+                                    f"a graph input")
+
+
 def verify_graphs(graphs: StormGraphs) -> None:
     graphs.forward.graph.lint()
     graphs.backward.graph.lint()
+    _check_resident("forward", graphs.forward.graph)
+    _check_resident("backward", graphs.backward.graph)
     _check_forward(graphs)
     _check_backward(graphs)

@@ -39,6 +39,12 @@ copy is done, while the GPU runs on::
                                         # the autograd engine's backward pass ends (at once
                                         # outside one), so graphs split by a break all launch
 
+A streamed weight the planner keeps on the device (``StoragePlan.resident``) is read through
+``storm.resident_weight(w, device)`` instead: a device copy of ``w`` that the runtime keeps
+across steps and copies again only when ``w`` has changed (its version counter moves when the
+optimizer updates it in place), cloned on the device for each read so that the compiled graph
+owns, and may reuse, the memory it reads.
+
 NOTE: the GPU memory of an offloaded tensor is released by ordinary reference counting (the
 wait is the tensor's last use, after which Inductor and FX drop it), not by ``record_stream``
 (which delays frees unpredictably and fragments the allocator) and not by shrinking the storage
@@ -127,6 +133,7 @@ def _wait_event_fake(x: torch.Tensor, keepalive: torch.Tensor | None = None) -> 
 
 
 _lib.define("fetch_weight(Tensor w, Device device) -> Tensor")
+_lib.define("resident_weight(Tensor w, Device device) -> Tensor")
 _lib.define("grad_to_host(Tensor grad, Tensor w) -> ()")
 _lib.define("send_grad(Tensor grad, int host_limit) -> Tensor")
 _lib.define("accumulate_grad(Tensor(a) x, Tensor w) -> Tensor(a)")
@@ -140,6 +147,16 @@ def _fetch_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.library.register_fake("storm::fetch_weight")
 def _fetch_weight_fake(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=device)
+
+
+@torch.library.impl(_lib, "resident_weight", _COMPOSITE)
+def _resident_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return get_runtime().mirror(w, device).clone()
+
+
+@torch.library.register_fake("storm::resident_weight")
+def _resident_weight_fake(w: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=device)
 
 
@@ -211,6 +228,7 @@ record_event = torch.ops.storm.record_event.default
 wait_event = torch.ops.storm.wait_event.default
 
 fetch_weight = torch.ops.storm.fetch_weight.default
+resident_weight = torch.ops.storm.resident_weight.default
 grad_to_host = torch.ops.storm.grad_to_host.default
 send_grad = torch.ops.storm.send_grad.default
 accumulate_grad = torch.ops.storm.accumulate_grad.default

@@ -23,6 +23,7 @@ from storm_compile.passes import (
     place_transfers,
     plan_memory,
     plan_offload,
+    plan_weights,
     rematerialize,
     verify_graphs,
 )
@@ -87,7 +88,8 @@ def _run(storm_pass: Pass, graphs: StormGraphs, ctx: PassContext) -> StormGraphs
 
 
 def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    """Plan, realise recomputation, plan the new split's offloads, place and insert transfers."""
+    """Plan, realise recomputation, plan the new split's offloads, choose the resident weights,
+    place and insert transfers."""
     first_split = graphs.plan is None
     for storm_pass in PLAN:
         graphs = _run(storm_pass, graphs, ctx)
@@ -103,6 +105,7 @@ def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             graphs = dataclasses.replace(graphs, plan=None)
         for storm_pass in PLAN:                      # offloads of the new split, same target
             graphs = _run(storm_pass, graphs, ctx)
+    graphs = _run(plan_weights, graphs, ctx)         # streamed weights kept on the device
     graphs = _run(place_transfers, graphs, ctx)      # where each copy and wait goes
     graphs = _run(insert_transfers, graphs, ctx)     # rewrite both graphs from the decisions
     if not graphs.storages.with_action(Action.OFFLOAD) and not graphs.plan.recompute:

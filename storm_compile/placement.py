@@ -109,13 +109,14 @@ class _Request:
     first_read: fx.Node
 
 
-def weight_fetches(gm: fx.GraphModule) -> list[WeightFetch]:
-    """The streamed weights' fetches of a graph that something reads, unplaced."""
+def weight_fetches(gm: fx.GraphModule, resident: set[str] = frozenset()) -> list[WeightFetch]:
+    """The streamed weights' fetches of a graph that something reads, unplaced, but those of
+    the weights named in ``resident``."""
     order = node_order(gm)
     fetches = []
     for node in gm.graph.find_nodes(op="call_function", target=ops.fetch_weight):
         readers = view_closure(node, order)[1]
-        if readers:
+        if readers and node.args[0].name not in resident:
             fetches.append(WeightFetch(node, tensor_bytes(node.meta["val"]), readers[0]))
     return fetches
 
@@ -247,12 +248,14 @@ def _placed(fetch: WeightFetch, prefetch: _Prefetch) -> WeightFetch:
 def place(graphs: StormGraphs, storages: Sequence[Storage], required: set[fx.Node],
           ctx: PassContext) -> Placed:
     """Place the copies of every storage in ``storages`` (by root), of every streamed weight's
-    fetch in either graph, which share the H2D lane with the storages' prefetches, and of every
+    fetch in either graph (but the resident weights'), which share the H2D lane with the storages' prefetches, and of every
     streamed weight's gradient on the backward's D2H lane. Storages whose root is in
     ``required``, and every fetch and gradient, are always placed; the other storages only if
     both their copies are predicted to hide, else they map to why not."""
     forward, backward = _Timeline(graphs.forward), _Timeline(graphs.backward)
-    fw_fetches, bw_fetches = weight_fetches(graphs.forward), weight_fetches(graphs.backward)
+    resident = {w.name for w in graphs.storages.resident}
+    fw_fetches = weight_fetches(graphs.forward, resident)
+    bw_fetches = weight_fetches(graphs.backward, resident)
     fetched = {f.node for f in (*fw_fetches, *bw_fetches)}
     dropped: dict[fx.Node, Unplaced] = {}
     for _ in range(MAX_PLACEMENT_ROUNDS):

@@ -236,16 +236,28 @@ class GradSend:
 
 
 @dataclasses.dataclass(frozen=True)
+class ResidentWeight:
+    """A streamed weight the planner keeps on the device: both graphs read it through
+    ``storm.resident_weight``, which copies it to the device again only when it changed."""
+
+    name: str
+    """The host weight's graph input, named the same in both graphs."""
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StoragePlan:
     """Every storage saved for the backward by one split, in the order of the saved values,
     and the decision for each (keyed by the storage's root); and, once placed, every streamed
-    weight's fetch in either graph, on the same H2D lane as the storages' prefetches, and every
-    streamed weight's gradient sent home on the backward's D2H lane."""
+    weight's fetch in either graph, on the same H2D lane as the storages' prefetches, every
+    streamed weight's gradient sent home on the backward's D2H lane, and the streamed weights
+    kept on the device instead of fetched."""
 
     storages: tuple[Storage, ...]
     decisions: dict[fx.Node, Decision]
     fetches: tuple[WeightFetch, ...] = ()
     sends: tuple[GradSend, ...] = ()
+    resident: tuple[ResidentWeight, ...] = ()
 
     def __iter__(self) -> Iterator[tuple[Storage, Decision]]:
         return ((s, self.decisions[s.root]) for s in self.storages)

@@ -143,6 +143,7 @@ def summary(graphs: StormGraphs, prediction: Prediction, profile: str,
         "recomputed_storages": actions.count(Action.RECOMPUTE),
         "kept_storages": actions.count(Action.KEEP),
         "streamed_weight_bytes": sum(tensor_bytes(n.meta.get("val")) for n in streamed),
+        "resident_weight_bytes": sum(w.nbytes for w in graphs.storages.resident),
         "device_bytes": resident + prediction.peak_bytes,
         "tokens": tokens,
         "predicted_tokens_per_s": None if tokens is None else tokens / prediction.step_s,
@@ -229,10 +230,11 @@ def format_storages(annotated: dict[str, object], title: str) -> str:
                            f"{counts['keep']} kept; not listed: {inputs} of parameters and "
                            f"inputs"),
     ]
-    if s["streamed_weight_bytes"]:
-        lines.append(("streamed weights", f"{_size(s['streamed_weight_bytes'])} in host "
-                                          f"memory; device memory {_size(s['device_bytes'])} "
-                                          f"at the peak"))
+    if s["streamed_weight_bytes"] or s["resident_weight_bytes"]:
+        lines.append(("streamed weights", f"{_size(s['streamed_weight_bytes'])} fetched from "
+                                          f"host memory, {_size(s['resident_weight_bytes'])} "
+                                          f"kept on the device; device memory "
+                                          f"{_size(s['device_bytes'])} at the peak"))
     if s["tokens"] is not None:
         lines.append(("throughput", f"{s['predicted_tokens_per_s']:.0f} tokens/s predicted "
                                     f"({s['tokens']} tokens per micro-batch, forward and "
@@ -295,7 +297,7 @@ def format_pareto(points: list[dict[str, object]]) -> str:
 
 THROUGHPUT_FIELDS = ("tokens", "predicted_tokens_per_s", "predicted_step_ms",
                      "exposed_transfer_ms", "activation_bytes", "device_bytes",
-                     "streamed_weight_bytes")
+                     "streamed_weight_bytes", "resident_weight_bytes")
 """The summary figures ``storm throughput`` shows per tokens per micro-batch."""
 
 

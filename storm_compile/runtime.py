@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger("storm_compile")
@@ -243,6 +244,9 @@ class TransferRuntime:
         self._events: dict[int, tuple[torch.cuda.Event, torch.device]] = {}
         self._host_events: dict[int, torch.cuda.Event] = {}
         self._host_reads: dict[int, torch.cuda.Event] = {}
+        self._mirrors = WeakIdKeyDictionary()
+        self._optimizer_steps = 0
+        self._optimizer_hook = None
         self._adder = HostAdder()
         self._joined_task: int | None = None
         self.stepper: Step | None = None
@@ -283,6 +287,28 @@ class TransferRuntime:
             self._host_events[tensor.data_ptr()] = event
         if host_source is not None:
             self._host_reads[host_source] = event
+
+    def mirror(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The device copy of ``host`` kept across calls, copied again when ``host`` may have
+        changed since: an optimizer stepped (fused optimizers update parameters without
+        moving their version counters), its version counter moved (``load_state_dict``,
+        other in-place writes) or its data was replaced; the caller reads it after the current
+        stream's queued work."""
+        if self._optimizer_hook is None:
+            self._optimizer_hook = register_optimizer_step_post_hook(
+                self._optimizer_stepped)
+        state = (self._optimizer_steps, host._version, host.data_ptr(), device)
+        kept = self._mirrors.get(host)
+        if kept is not None and kept[1] == state:
+            return kept[0]
+        copy = kept[0] if kept is not None and kept[0].device == device \
+            else torch.empty_like(host, device=device)
+        copy.copy_(host, non_blocking=host.is_pinned())
+        self._mirrors[host] = (copy, state)
+        return copy
+
+    def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
+        self._optimizer_steps += 1
 
     def wait(self, tensor: torch.Tensor) -> None:
         """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""

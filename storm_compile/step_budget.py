@@ -53,6 +53,8 @@ class GraphShare:
     baseline_step_s: float
     spent_s: float
     """Predicted step time the plan adds."""
+    resident_bytes: int = 0
+    """Streamed weights the plan keeps on the device: they count against a byte budget."""
 
 
 GraphId = tuple[int, int, int]
@@ -98,7 +100,7 @@ class StepBudget:
                      minimum: int) -> int:
         """Activation memory this graph should reach for a byte or fraction budget."""
         others = self._others(graph)
-        held = sum(s.planned_bytes for s in others)
+        held = sum(s.planned_bytes + s.resident_bytes for s in others)
         if isinstance(budget, float):
             share = budget * (sum(s.baseline_bytes for s in others) + baseline) - held
             return int(min(max(share, minimum), baseline))
@@ -113,6 +115,16 @@ class StepBudget:
                 f"of the forward (outputs, views of inputs, tensors under min_offload_bytes)")
         self._warn_over(held + minimum - budget)
         return minimum
+
+    def left_bytes(self, graph: GraphId, budget: int) -> int:
+        """What a byte budget leaves once the step's graphs, this one included (recorded),
+        hold what they planned."""
+        shares = [*self._others(graph), self._shares[graph]]
+        return budget - sum(s.planned_bytes + s.resident_bytes for s in shares)
+
+    def keep_resident(self, graph: GraphId, nbytes: int) -> None:
+        """This graph's plan keeps ``nbytes`` of streamed weights on the device."""
+        self._shares[graph] = dataclasses.replace(self._shares[graph], resident_bytes=nbytes)
 
     def allowance_s(self, graph: GraphId, baseline_step_s: float, max_overhead: float) -> float:
         """Predicted step time this graph's plan may add under ``memory_budget="auto"``."""

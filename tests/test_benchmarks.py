@@ -103,10 +103,11 @@ def test_planning_time_sums_the_pass_records(capsys):
     lines = capsys.readouterr().out.splitlines()
     seconds = {line[:20].strip(): float(line[20:].split()[0]) for line in lines}
     assert list(seconds) == ["split", "annotate_costs", "plan_offload", "plan_memory",
-                             "rematerialize", "place_transfers", "insert_transfers",
+                             "rematerialize", "plan_weights", "place_transfers",
+                             "insert_transfers",
                              "planner total"]
     assert seconds["planner total"] == pytest.approx(
-        seconds["plan_offload"] + seconds["plan_memory"], abs=2e-3)
+        seconds["plan_offload"] + seconds["plan_memory"] + seconds["plan_weights"], abs=2e-3)
 
 
 SMOKE_ZOO_MODELS = ("llama", "resnet")

@@ -224,7 +224,8 @@ def test_schedule_timings_prints_each_pass_record(capsys):
     rows = [line.split() for line in lines[2:]]
     assert [r[0] for r in rows] == ["split", "annotate_costs", "plan_offload", "plan_memory",
                                     "rematerialize", "annotate_costs", "plan_offload",
-                                    "plan_memory", "place_transfers", "insert_transfers"]
+                                    "plan_memory", "plan_weights", "place_transfers",
+                                    "insert_transfers"]
     assert all(float(r[1]) >= 0 for r in rows)
     assert " ".join(rows[4][2:]) == "split again"
     assert main([*argv, "--timings", "--format", "json"]) == 0

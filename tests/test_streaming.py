@@ -21,7 +21,7 @@ from storm_compile.runtime import HostAdder
 from storm_compile.simulate import simulate
 from storm_compile.models import LLAMA_PRESETS, build_llama
 from storm_compile.streaming import StormHostMemoryError, stream_parameters
-from storm_compile.vocabulary import storage_owner
+from storm_compile.vocabulary import storage_owner, tensor_bytes
 
 SHAPE = LLAMA_PRESETS["tiny"]
 RESIDENT_BYTES = 4096
@@ -432,3 +432,61 @@ def test_overlapped_optimizer_steps_like_the_optimizer(backend):
     params = _train_overlapped(model, batch, BACKENDS[backend] or "eager")
     for param, want in zip(params, expected):
         torch.testing.assert_close(param, want)
+
+
+def _budget_with_room(room: int) -> int:
+    """A byte budget that pays for the device's weights and the unplanned activations of the
+    streamed tiny Llama and leaves ``room`` bytes."""
+    graphs, config = _streamed_graphs()
+    weights = streaming.device_weights(graphs.forward, config.prefetch_window_bytes)
+    return weights.nbytes + graphs.plan.baseline.activation_bytes + room
+
+
+def _weights_in_read_order(graphs) -> list[fx.Node]:
+    fetches = nodes(graphs.forward, ops.prefetch) + nodes(graphs.forward, ops.resident_weight)
+    order = {n: i for i, n in enumerate(graphs.forward.graph.nodes)}
+    first_read = {}
+    for node in fetches:
+        reader = min((u for u in node.users), key=order.__getitem__)
+        while reader.target in (ops.record_event, ops.wait_event):
+            reader = min(reader.users, key=order.__getitem__)
+        first_read.setdefault(node.args[0], order[reader])
+    return sorted(first_read, key=first_read.__getitem__)
+
+
+def test_room_left_by_a_byte_budget_keeps_the_earliest_read_weights_on_the_device():
+    plain, _ = _streamed_graphs()
+    assert plain.storages.resident == () and not nodes(plain.forward, ops.resident_weight)
+    first, second = _weights_in_read_order(plain)[:2]
+    room = tensor_bytes(first.meta["val"])
+    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{_budget_with_room(room)}B")
+    assert [w.name for w in graphs.storages.resident] == [first.name]
+    assert {n.args[0].name for n in nodes(graphs.forward, ops.resident_weight)} == {first.name}
+    for gm in (graphs.forward, graphs.backward):
+        assert {n.args[0].name for n in nodes(gm, ops.resident_weight)} <= {first.name}
+        assert first.name not in {n.args[0].name for n in nodes(gm, ops.prefetch)}
+    assert second.name in {n.args[0].name for n in nodes(graphs.forward, ops.prefetch)}
+
+
+def test_resident_weights_rewrite_is_idempotent():
+    options = {"offload": "hidden", "memory_budget": f"{_budget_with_room(1 << 30)}B"}
+    graphs, config = _streamed_graphs(**options)
+    assert len(graphs.storages.resident) == len(nodes(graphs.forward, ops.resident_weight)) > 0
+    assert not nodes(graphs.forward, ops.prefetch), "every weight is kept on the device"
+    fw_code, bw_code = graphs.forward.code, graphs.backward.code
+    again = run_passes(graphs, PassContext(config, cost_model()))
+    assert again.forward.code == fw_code and again.backward.code == bw_code
+
+
+def test_resident_weights_follow_the_optimizer():
+    """Every weight kept on the device: its copy there is refreshed after each optimizer step,
+    so training matches the model it came from."""
+    reference, model, batch = _pair()
+    budget = f"{_budget_with_room(1 << 30)}B"
+    backend = storm(**{**CPU_TEST_OPTIONS, "offload": "hidden", "memory_budget": budget})
+    ref_losses, ref_params = _train(reference, batch, storm(**CPU_TEST_OPTIONS), lr=1e-2,
+                                    fused=True, scheduled=True)
+    losses, params = _train(model, batch, backend, lr=1e-2, fused=True, scheduled=True)
+    assert losses == pytest.approx(ref_losses)
+    for param, expected in zip(params, ref_params):
+        torch.testing.assert_close(param, expected)

@@ -490,3 +490,23 @@ def test_resident_weights_follow_the_optimizer():
     assert losses == pytest.approx(ref_losses)
     for param, expected in zip(params, ref_params):
         torch.testing.assert_close(param, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("way", ["overlapped-optimizer", "resident-weights"])
+def test_streamed_training_on_the_gpu_matches_with_the_optimizer_overlapped_or_weights_kept(way):
+    """The host thread's additions and steps against real copy streams, or the device copies
+    kept across optimizer steps: the same weights as the model trained on the GPU."""
+    torch.manual_seed(0)
+    reference, batch = build_llama(SHAPE, device="cuda")
+    model = copy.deepcopy(reference).cpu()
+    stream_parameters(model, "cuda", resident_bytes=RESIDENT_BYTES)
+    _, expected = _train(reference, batch, "inductor", lr=1e-2, fused=True, scheduled=True)
+    if way == "overlapped-optimizer":
+        params = _train_overlapped(model, batch, storm(min_offload_bytes=0))
+    else:
+        everything = f"{torch.cuda.get_device_properties(0).total_memory}B"
+        _, params = _train(model, batch, storm(min_offload_bytes=0, memory_budget=everything),
+                           lr=1e-2, fused=True, scheduled=True)
+    for param, want in zip(params, expected):
+        torch.testing.assert_close(param, want, rtol=1e-4, atol=1e-4)

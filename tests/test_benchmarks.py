@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import activation_memory, streaming
+from benchmarks import activation_memory, optimizer, streaming
 from benchmarks.trace_analysis import analyse
 from storm_compile.config import PRESETS
 
@@ -171,3 +171,12 @@ def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["micro_batches"] == 2 for r in rows)
     assert "pred_tokens_per_s" in rows[1]
     assert "tokens/s" in (tmp_path / "results.md").read_text()
+
+
+def test_optimizer_smoke_runs_both_updates_to_the_same_weights(tmp_path):
+    assert optimizer.main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in results["rows"]] == ["host", "streamed"]
+    assert all(r["step_ms"] > 0 for r in results["rows"])
+    assert results["max_param_diff"] == 0.0
+    assert results["chunk_params"] < results["params"], "the streamed update runs in chunks"

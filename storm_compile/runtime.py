@@ -233,8 +233,10 @@ class HostAdder:
 
 
 class TransferRuntime:
-    """Streams, pool and pending copies. Copies are keyed by the destination's data pointer,
-    which is unique while the destination is alive."""
+    """Streams, pool and pending copies, the host thread that adds gradients (and steps the
+    parameters of an overlapped optimizer), and the device copies of resident weights. Copies
+    are keyed by the destination's data pointer, which is unique while the destination is
+    alive."""
 
     def __init__(self) -> None:
         self.pool = PinnedPool()

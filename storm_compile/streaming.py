@@ -173,8 +173,6 @@ class OverlappedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._group_of = {id(p): group for group in optimizer.param_groups
-                          for p in group["params"]}
 
     @contextlib.contextmanager
     def final_backward(self) -> Iterator[None]:
@@ -189,7 +187,8 @@ class OverlappedOptimizer:
             runtime.stepper = None
 
     def _step(self, param: torch.Tensor) -> None:
-        group = self._group_of.get(id(param))
+        group = next((g for g in self.optimizer.param_groups
+                      if any(p is param for p in g["params"])), None)
         if group is None:
             raise ValueError(f"OverlappedOptimizer: a streamed parameter of shape "
                              f"{tuple(param.shape)} is not in the optimizer")

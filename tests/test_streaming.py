@@ -510,3 +510,13 @@ def test_streamed_training_on_the_gpu_matches_with_the_optimizer_overlapped_or_w
                            lr=1e-2, fused=True, scheduled=True)
     for param, want in zip(params, expected):
         torch.testing.assert_close(param, want, rtol=1e-4, atol=1e-4)
+
+
+def test_overlapped_optimizer_without_a_streamed_parameter_fails_the_backward():
+    _, model, batch = _pair()
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    overlapped = streaming.OverlappedOptimizer(torch.optim.AdamW(norms))
+    with pytest.raises(RuntimeError, match="optimizer step after it, failed") as caught, \
+            overlapped.final_backward():
+        model(*batch).backward()
+    assert "is not in the optimizer" in str(caught.value.__cause__)

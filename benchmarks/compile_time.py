@@ -218,6 +218,16 @@ def markdown(rows: list[dict]) -> str:
                     missingval="") + (f"\nCache bypass reasons:\n{notes}\n" if notes else "\n")
 
 
+def cuda_missing(benchmark: str, smoke: bool) -> bool:
+    """Whether a GPU benchmark run without ``--smoke`` finds no CUDA device; says so on stderr
+    in one line."""
+    if smoke or torch.cuda.is_available():
+        return False
+    print(f"{benchmark}: no CUDA device; the GPU benchmark needs one (--smoke runs the "
+          f"harness on the CPU)", file=sys.stderr)
+    return True
+
+
 def write(out_dir: Path, results: dict, table: str) -> str:
     """Write ``results.json`` and ``results.md``; after every row, so a run cut short by a time
     limit leaves what it measured."""

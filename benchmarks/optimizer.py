@@ -32,7 +32,7 @@ from tabulate import tabulate
 from torch.optim.adamw import adamw
 
 from benchmarks.activation_memory import EXIT_NO_CUDA
-from benchmarks.compile_time import write
+from benchmarks.compile_time import cuda_missing, write
 from storm_compile.vocabulary import MIB, MS
 
 LEARNING_RATE, BETAS, WEIGHT_DECAY, EPS = 3e-4, (0.9, 0.95), 0.1, 1e-8
@@ -158,9 +158,7 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(argv)
     cuda = not args.smoke
-    if cuda and not torch.cuda.is_available():
-        print("optimizer: no CUDA device; the GPU benchmark needs one (--smoke runs the "
-              "harness on the CPU)", file=sys.stderr)
+    if cuda_missing("optimizer", args.smoke):
         return EXIT_NO_CUDA
     numel = SMOKE_PARAMS if args.smoke else int(args.params)
     dtype = getattr(torch, args.dtype)

@@ -55,7 +55,7 @@ from tabulate import tabulate
 from torch import nn
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
-from benchmarks.compile_time import error_line, write
+from benchmarks.compile_time import cuda_missing, error_line, write
 from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
 from storm_compile.graphs import StormGraphs
@@ -348,9 +348,7 @@ def _shape(args, tokens: int) -> LlamaShape:
 def main(argv=None) -> int:
     args = _parse(argv)
     cuda = not args.smoke
-    if cuda and not torch.cuda.is_available():
-        print("streaming: no CUDA device; the GPU benchmark needs one (--smoke runs the "
-              "harness on the CPU)", file=sys.stderr)
+    if cuda_missing("streaming", args.smoke):
         return EXIT_NO_CUDA
     args.device = "cuda" if cuda else "cpu"
     args.resident_bytes = DEFAULT_RESIDENT_BYTES if cuda else SMOKE_RESIDENT_BYTES

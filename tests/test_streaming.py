@@ -520,3 +520,31 @@ def test_overlapped_optimizer_without_a_streamed_parameter_fails_the_backward():
             overlapped.final_backward():
         model(*batch).backward()
     assert "is not in the optimizer" in str(caught.value.__cause__)
+
+
+def _break_first_block(net) -> None:
+    block = net.blocks[0]
+    forward = block.forward
+
+    def broken(*args):
+        torch._dynamo.graph_break()
+        return forward(*args)
+
+    block.forward = broken
+
+
+def test_overlapped_optimizer_waits_for_every_graph_of_a_broken_step():
+    """A tied embedding read before and after a graph break gets its gradient from two
+    backward graphs: it is stepped once, after both."""
+    reference, model, batch = _pair(dataclasses.replace(SHAPE, tie_embeddings=True))
+    for net in (reference, model):
+        _break_first_block(net)
+    _, expected = _train(reference, batch, storm(**CPU_TEST_OPTIONS), lr=1e-2, fused=True,
+                         scheduled=True)
+    planned = []
+    backend = StormBackend(StormConfig.from_options(**CPU_TEST_OPTIONS), observer=planned.append)
+    params = _train_overlapped(model, batch, backend)
+    sending = [g for g in planned if nodes(g.backward, ops.accumulate_grad)]
+    assert len(sending) >= 2, "the break did not split the step"
+    for param, want in zip(params, expected):
+        torch.testing.assert_close(param, want)

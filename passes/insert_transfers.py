@@ -232,7 +232,10 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             for node in gm.graph.find_nodes(op="call_function", target=ops.fetch_weight)
             if node.args[0].name in resident]
     for node in kept:
-        node.target = ops.resident_weight
+        with node.graph.inserting_before(node):
+            resident_copy = _emit(node.graph, ops.resident_weight, node.args)
+        node.replace_all_uses_with(resident_copy)
+        node.graph.erase_node(node)
     unsent = set(graphs.backward.graph.find_nodes(op="call_function", target=ops.grad_to_host))
     sends = [s for s in graphs.storages.sends if s.node in unsent]
     tokens = [_send_home(graphs.backward.graph, send, ctx)

@@ -1,6 +1,15 @@
-import pytest
-import torch
-import torch._dynamo
+import os
+import shutil
+import tempfile
+
+CACHE_DIR = tempfile.mkdtemp(prefix="storm-tests-inductor-")
+"""Every test run compiles into a cache of its own, removed at the end: entries left by an
+earlier version of storm's ops (another schema) are never loaded."""
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = CACHE_DIR
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -23,3 +32,7 @@ def pytest_collection_modifyitems(config, items):
         elif "multi_gpu" in item.keywords and devices < MULTI_GPU:
             item.add_marker(pytest.mark.skip(reason=f"needs {MULTI_GPU} CUDA devices"))
 
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(CACHE_DIR, ignore_errors=True)

@@ -6,7 +6,11 @@ target; the forward reads each streamed weight (a host graph input) through
 Guarantees: ``graphs.storages.resident`` lists the streamed weights kept on the device, chosen
 only under a byte ``memory_budget``, from the room that budget leaves once the device's weights
 (:class:`~storm_compile.streaming.DeviceWeights`) and the step's planned activations (and
-resident weights of its other graphs) are paid (:meth:`StepBudget.left_bytes`): in the
+resident weights of its other graphs) are paid (:meth:`StepBudget.left_bytes`), and no more than
+the budget leaves above this graph's predicted device peak (its device weights, prefetch
+window included, and the simulated peak of the graphs as split, before any copy is placed: a
+weight kept on the device raises the peak by its bytes, and the backward's peak is often above
+what the forward holds at its end): in the
 forward's order of first read (the earliest copies have the least compute before them to hide
 under, and the first of all, an embedding, none), each one that still fits. A resident weight
 is copied once per optimizer step instead of twice per micro-batch. Without a byte budget
@@ -22,6 +26,7 @@ import dataclasses
 from storm_compile import ops
 from storm_compile.graphs import PassContext, StormGraphs
 from storm_compile.plan import ResidentWeight
+from storm_compile.simulate import simulate
 from storm_compile.streaming import device_weights
 from storm_compile.vocabulary import tensor_bytes
 
@@ -33,7 +38,8 @@ def plan_weights(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     weights = device_weights(graphs.forward, ctx.config.prefetch_window_bytes)
     if weights is None:
         return graphs
-    room = ctx.step.left_bytes(ctx.graph, budget - weights.nbytes)
+    peak = weights.nbytes + simulate(graphs, ctx.cost).peak_bytes
+    room = min(ctx.step.left_bytes(ctx.graph, budget - weights.nbytes), budget - peak)
     resident = []
     fetches = graphs.forward.graph.find_nodes(op="call_function", target=ops.fetch_weight)
     for weight in dict.fromkeys(f.args[0] for f in fetches):

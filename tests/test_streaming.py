@@ -18,6 +18,7 @@ from storm_compile.graphs import PassContext, saved_values
 from storm_compile.passes import StormBudgetError, StormVerificationError, verify_graphs
 from storm_compile.pipeline import run_passes
 from storm_compile.runtime import HostAdder
+from storm_compile.report import summary
 from storm_compile.simulate import simulate
 from storm_compile.models import LLAMA_PRESETS, build_llama
 from storm_compile.streaming import StormHostMemoryError, stream_parameters
@@ -436,10 +437,11 @@ def test_overlapped_optimizer_steps_like_the_optimizer(backend):
 
 def _budget_with_room(room: int) -> int:
     """A byte budget that pays for the device's weights and the unplanned activations of the
-    streamed tiny Llama and leaves ``room`` bytes."""
+    streamed tiny Llama, and for its predicted device peak, and leaves ``room`` bytes."""
     graphs, config = _streamed_graphs()
     weights = streaming.device_weights(graphs.forward, config.prefetch_window_bytes)
-    return weights.nbytes + graphs.plan.baseline.activation_bytes + room
+    baseline = graphs.plan.baseline
+    return weights.nbytes + max(baseline.activation_bytes, baseline.peak_bytes) + room
 
 
 def _weights_in_read_order(graphs) -> list[fx.Node]:
@@ -459,8 +461,11 @@ def test_room_left_by_a_byte_budget_keeps_the_earliest_read_weights_on_the_devic
     assert plain.storages.resident == () and not nodes(plain.forward, ops.resident_weight)
     first, second = _weights_in_read_order(plain)[:2]
     room = tensor_bytes(first.meta["val"])
-    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{_budget_with_room(room)}B")
+    budget = _budget_with_room(room)
+    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
     assert [w.name for w in graphs.storages.resident] == [first.name]
+    prediction = simulate(graphs, cost_model())
+    assert summary(graphs, prediction, "cpu-test")["device_bytes"] <= budget
     assert {n.args[0].name for n in nodes(graphs.forward, ops.resident_weight)} == {first.name}
     for gm in (graphs.forward, graphs.backward):
         assert {n.args[0].name for n in nodes(gm, ops.resident_weight)} <= {first.name}

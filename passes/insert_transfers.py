@@ -45,7 +45,7 @@ of either graph becomes, with ``issue_after`` and ``first_read`` from its :class
     first_read(...)
 
 and each ``w_dev = storm.fetch_weight(w, device)`` of a weight in
-``graphs.storages.resident`` becomes, in both graphs, in place::
+``graphs.storages.resident`` becomes, in both graphs, at the same place::
 
     w_dev       = storm.resident_weight(w, device)    # the device copy kept across steps
 

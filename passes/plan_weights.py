@@ -4,18 +4,21 @@ Assumes: ``plan_memory`` decided every saved storage and ``graphs.plan`` holds t
 target; the forward reads each streamed weight (a host graph input) through
 ``storm.fetch_weight``.
 Guarantees: ``graphs.storages.resident`` lists the streamed weights kept on the device, chosen
-only under a byte ``memory_budget``, from the room that budget leaves once the device's weights
-(:class:`~storm_compile.streaming.DeviceWeights`) and the step's planned activations (and
-resident weights of its other graphs) are paid (:meth:`StepBudget.left_bytes`), and no more than
-the budget leaves above this graph's predicted device peak (its device weights, prefetch
-window included, and the simulated peak of the graphs as split, before any copy is placed: a
-weight kept on the device raises the peak by its bytes, and the backward's peak is often above
-what the forward holds at its end): in the
-forward's order of first read (the earliest copies have the least compute before them to hide
-under, and the first of all, an embedding, none), each one that still fits. A resident weight
-is copied once per optimizer step instead of twice per micro-batch. Without a byte budget
-nothing changes; a second run finds no ``fetch_weight`` left of a resident weight and changes
-nothing (idempotent).
+only under a byte ``memory_budget``, in the forward's order of first read (the earliest copies
+have the least compute before them to hide under, and the first of all, an embedding's, none),
+each one that still fits in the smaller of two rooms:
+
+* what the budget leaves once the device's weights
+  (:class:`~storm_compile.streaming.DeviceWeights`), the step's planned activations and the
+  other graphs' resident weights are paid (:meth:`StepBudget.left_bytes`);
+* what it leaves above this graph's predicted device peak: its device weights (prefetch window
+  included) and the simulated peak of the graphs as split, before any copy is placed. A weight
+  kept on the device raises the peak by its bytes, and the backward's peak is often above
+  what the forward holds at its end.
+
+A resident weight is copied once per optimizer step instead of twice per micro-batch. Without
+a byte budget nothing changes; a second run finds no ``fetch_weight`` left of a resident
+weight and changes nothing (idempotent).
 Emits: no nodes; ``insert_transfers`` reads the list, and the step's ledger records the bytes.
 """
 

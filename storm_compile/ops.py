@@ -41,9 +41,9 @@ copy is done, while the GPU runs on::
 
 A streamed weight the planner keeps on the device (``StoragePlan.resident``) is read through
 ``storm.resident_weight(w, device)`` instead: a device copy of ``w`` that the runtime keeps
-across steps and copies again only when ``w`` has changed (its version counter moves when the
-optimizer updates it in place), cloned on the device for each read so that the compiled graph
-owns, and may reuse, the memory it reads.
+across steps and copies again only when ``w`` may have changed (after any optimizer step, or
+when its version counter or data moved), cloned on the device for each read so that the
+compiled graph owns, and may reuse, the memory it reads.
 
 NOTE: the GPU memory of an offloaded tensor is released by ordinary reference counting (the
 wait is the tensor's last use, after which Inductor and FX drop it), not by ``record_stream``
@@ -162,8 +162,9 @@ def _resident_weight_fake(w: torch.Tensor, device: torch.device) -> torch.Tensor
 
 @torch.library.impl(_lib, "grad_to_host", _COMPOSITE)
 def _grad_to_host(grad: torch.Tensor, w: torch.Tensor) -> None:
-    get_runtime().accumulate(grad.to(w.device), w)
-    get_runtime().wait_host()
+    runtime = get_runtime()
+    runtime.accumulate(grad.to(w.device), w)
+    runtime.wait_host()
 
 
 @torch.library.register_fake("storm::grad_to_host")

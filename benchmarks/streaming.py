@@ -23,8 +23,9 @@ Two parts, both optional:
   step in ``--micro-batches``, ``--steps`` timed optimizer steps after one untimed one: tokens/s,
   achieved TFLOP/s (model FLOPs: 6 per parameter per token plus causal attention's
   6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory,
-  and for storm its plans' predicted tokens/s (forward and backward; the host optimizer is
-  measured, not predicted, and is added to the prediction as measured).
+  and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches'
+  forward and backward, the host thread's additions and the host AdamW, overlapped or after,
+  as :func:`storm_compile.simulate.predict_step` predicts it).
 
     python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
         [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]
@@ -60,7 +61,8 @@ from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
 from storm_compile.graphs import StormGraphs
 from storm_compile.models import LLAMA_PRESETS, LlamaShape, Llama
-from storm_compile.simulate import simulate
+from storm_compile.prediction import StepPrediction
+from storm_compile.simulate import predict_step
 from storm_compile.streaming import (
     DEFAULT_RESIDENT_BYTES,
     OverlappedOptimizer,
@@ -92,7 +94,8 @@ class _Run:
     loss of the last micro-batch and the optimizer's seconds."""
 
     step: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], tuple[float, float]]
-    predicted_s: Callable[[], float | None]
+    predicted_s: Callable[[int], float | None]
+    """Predicted seconds of an optimizer step of that many micro-batches; None if unpredicted."""
 
 
 def _model(shape: LlamaShape) -> nn.Module:
@@ -138,7 +141,7 @@ def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
     _cap(None, cuda)
     model = _model(shape).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda: None)
+    return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda count: None)
 
 
 def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
@@ -148,18 +151,22 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
     options = {"memory_budget": args.budget} if args.budget is not None else {}
     if not cuda:
         options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
-    predicted: list[float] = []
+    predicted: list[StepPrediction] = []
 
     def observe(graphs: StormGraphs) -> None:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
-        predicted.append(simulate(graphs, backend.ctx.cost).step_s)
+        predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap))
+
+    def predicted_s(micro_batches: int) -> float | None:
+        return sum(dataclasses.replace(p, micro_batches=micro_batches).step_s
+                   for p in predicted) if predicted else None
 
     backend = StormBackend(StormConfig.from_options(**options), observer=observe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
     overlapped = OverlappedOptimizer(optimizer) if overlap else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
                          overlapped),
-                lambda: sum(predicted) if predicted else None)
+                predicted_s)
 
 
 def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
@@ -177,7 +184,7 @@ def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
         fully_shard(block, offload_policy=CPUOffloadPolicy())
     fully_shard(model, offload_policy=CPUOffloadPolicy())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(model, optimizer, args.sync), lambda: None)
+    return _Run(_trainer(model, optimizer, args.sync), lambda count: None)
 
 
 BUILDERS = {"compile": _compile, "storm": _storm,
@@ -255,11 +262,10 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
                    tflops=_model_flops(shape, tokens) / step / 1e12,
                    optimizer_ms=min(optimizer_s) * MS,
                    peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
-        predicted = run.predicted_s()
+        predicted = run.predicted_s(micro_batches)
         if predicted is not None:
-            whole = predicted * micro_batches + min(optimizer_s)
-            row.update(pred_tokens_per_s=tokens / whole,
-                       pred_error=(tokens / whole) / row["tokens_per_s"] - 1)
+            row.update(pred_tokens_per_s=tokens / predicted,
+                       pred_error=(tokens / predicted) / row["tokens_per_s"] - 1)
     except Exception as error:  # noqa: BLE001 - a failing method is a result, not a crash
         row["error"] = error_line(error)
     _release()

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,10 @@ TRANSFER_PROBES = 50
 TRANSFER_PROBE_BYTES = 4 << 20
 """A typical small activation; the host time of the transfer ops does not depend on size."""
 REPEATS = 10
+HOST_PROBE_BYTES = 256 << 20
+"""A layer's weights are tens to hundreds of MiB: this is past the host's caches, so the host
+rates are its memory's, as they are for a model's gradients and optimizer state."""
+HOST_REPEATS = 5
 log = logging.getLogger("storm_compile")
 
 FALLBACK_PROFILE = "cpu-test"
@@ -60,7 +65,8 @@ def _median_seconds(work: Callable[[], None], repeats: int = REPEATS) -> float:
 
 
 def calibrate(name: str | None = None) -> DeviceProfile:
-    """Measure link, latency, matmul rates, memory bandwidth and launch time of the current GPU."""
+    """Measure link, latency, matmul rates, memory bandwidth and launch time of the current GPU,
+    and the host's rates of gradient additions and AdamW steps (:func:`host_rates`)."""
     if not torch.cuda.is_available():
         raise RuntimeError("calibration needs a CUDA device")
     host = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=True)
@@ -106,7 +112,46 @@ def calibrate(name: str | None = None) -> DeviceProfile:
     return DeviceProfile(
         name=name or torch.cuda.get_device_name(), matmul_flops=matmul, fp32_flops=fp32,
         memory_bandwidth=memory, launch_s=launch, h2d_bandwidth=h2d, d2h_bandwidth=d2h,
-        duplex_bandwidth=duplex, copy_latency_s=latency, transfer_host_s=_transfer_host_seconds())
+        duplex_bandwidth=duplex, copy_latency_s=latency, transfer_host_s=_transfer_host_seconds(),
+        **host_rates())
+
+
+def _seconds_on_a_thread(work: Callable[[], None], repeats: int) -> float:
+    """Median wall seconds of ``work`` run on a thread of its own, as storm's host thread runs
+    its additions and steps (after one untimed run)."""
+    times: list[float] = []
+
+    def run() -> None:
+        work()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - start)
+
+    thread = threading.Thread(target=run, name="storm-calibrate-host")
+    thread.start()
+    thread.join()
+    if len(times) != repeats:
+        raise RuntimeError("calibrating the host: the timed work failed on its thread")
+    return statistics.median(times)
+
+
+def host_rates(nbytes: int = HOST_PROBE_BYTES, repeats: int = HOST_REPEATS
+               ) -> dict[str, float]:
+    """The host's ``host_add_bandwidth`` and ``host_adamw_bandwidth`` (profile fields), timed
+    on a thread as storm's host thread works: a float32 gradient copy of ``nbytes`` (pinned
+    where CUDA is present) added into ``.grad``, and one fused AdamW step of a float32
+    parameter of ``nbytes``."""
+    elements = nbytes // torch.float32.itemsize
+    pin = torch.cuda.is_available()
+    param = torch.nn.Parameter(torch.zeros(elements, pin_memory=pin))
+    param.grad = torch.zeros(elements)
+    arrived = torch.ones(elements, pin_memory=pin)
+    add = _seconds_on_a_thread(lambda: param.grad.add_(arrived), repeats)
+    optimizer = torch.optim.AdamW([param], fused=True)
+    adamw = _seconds_on_a_thread(optimizer.step, repeats)
+    size = elements * torch.float32.itemsize
+    return {"host_add_bandwidth": size / add, "host_adamw_bandwidth": size / adamw}
 
 
 def _transfer_host_seconds() -> float:

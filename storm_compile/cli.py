@@ -57,7 +57,6 @@ from storm_compile.models import (
 )
 from storm_compile.passes import StormBudgetError
 from storm_compile.report import (
-    THROUGHPUT_FIELDS,
     annotate,
     chrome_trace,
     format_pareto,
@@ -66,7 +65,9 @@ from storm_compile.report import (
     format_throughput,
     pareto_points,
     pareto_svg,
+    throughput_row,
 )
+from storm_compile.simulate import predict_step
 from storm_compile.streaming import stream_parameters
 
 EXIT_USAGE = 2
@@ -180,6 +181,11 @@ def _parser() -> argparse.ArgumentParser:
     throughput.add_argument("--stream", action="store_true",
                             help="stream the parameters of 1 MiB or more from host memory, as "
                                  "for schedule")
+    throughput.add_argument("--micro-batches", default="1",
+                            help="comma-separated micro-batches per optimizer step (default 1)")
+    throughput.add_argument("--overlap-optimizer", action="store_true",
+                            help="step the streamed weights on the host thread during the last "
+                                 "backward (OverlappedOptimizer) instead of after it")
     calibrate_cmd = commands.add_parser("calibrate", help="measure the present GPU into a profile")
     calibrate_cmd.add_argument("--out", type=Path, default=None,
                                help="profile JSON to write (default: the backend's cache)")
@@ -225,6 +231,12 @@ class _TupleOutput(nn.Module):
 
     def forward(self, *inputs):
         return differentiated(self.model(*inputs), self.name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        """Each parameter once, as torch.compile passes them to AOTAutograd: asked for
+        duplicates, a tied weight would be two graph inputs, two copies and two gradients."""
+        return super().named_parameters(prefix, recurse, remove_duplicate=True)
 
 
 def _described(error: BaseException) -> str:
@@ -451,6 +463,11 @@ def _throughput(args: argparse.Namespace) -> int:
             or any(t % base.seq for t in counts):
         raise UsageError(f"--tokens {args.tokens}: expected comma-separated multiples of the "
                          f"sequence length {base.seq}")
+    micro_batches = [int(m) for m in args.micro_batches.split(",") if m.strip().isdigit()]
+    if not micro_batches or len(micro_batches) != len(args.micro_batches.split(",")) \
+            or min(micro_batches) < 1:
+        raise UsageError(f"--micro-batches {args.micro_batches}: expected comma-separated "
+                         f"positive integers")
     budget = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
     ctx = _context(args, **budget)
     rows = []
@@ -458,7 +475,9 @@ def _throughput(args: argparse.Namespace) -> int:
         graphs = plan_model(args.model, ctx, stream=args.stream,
                             **{**shape, "batch": tokens // base.seq})
         summary = annotate(graphs, ctx.cost, tokens=tokens)["summary"]
-        rows.append({k: summary[k] for k in THROUGHPUT_FIELDS})
+        rows += [throughput_row(summary, predict_step(graphs, ctx.cost, count,
+                                                      args.overlap_optimizer))
+                 for count in micro_batches]
     _print(args, rows, format_throughput)
     return 0
 

@@ -27,6 +27,7 @@ from storm_compile.vocabulary import (
     hint,
     hint_shape,
     is_compute,
+    is_view,
     storage_owner,
     tensor_bytes,
 )
@@ -59,9 +60,6 @@ predicts 2.6 ms, i.e. 0.61."""
 
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
-STREAM_COPY_LANES = {ops.fetch_weight: Lane.H2D, ops.grad_to_host: Lane.D2H}
-"""A streamed weight's fetch and its gradient's copy home run in program order on the compute
-stream's queue: they cost their link time there."""
 
 FUSIBLE_REDUCTIONS = frozenset({
     aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.mean.default, aten.amax.default,
@@ -69,6 +67,14 @@ FUSIBLE_REDUCTIONS = frozenset({
 })
 """Reductions Inductor fuses with the pointwise ops around them."""
 FUSIBLE_CASTS = frozenset({aten._to_copy.default})
+FUSIBLE_DECOMPOSED = frozenset({
+    aten._softmax.default, aten._softmax_backward_data.default, aten._log_softmax.default,
+    aten._log_softmax_backward_data.default, aten.nll_loss_forward.default,
+    aten.nll_loss_backward.default,
+})
+"""Ops Inductor decomposes into pointwise ops, gathers and reductions (its decomposition
+table), which it fuses like them: a cross-entropy over a large vocabulary writes the logits'
+gradient in the logits' dtype, never the float32 log-probabilities or a float32 gradient."""
 
 
 def is_fusible(node: fx.Node) -> bool:
@@ -79,13 +85,23 @@ def is_fusible(node: fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     return (torch.Tag.pointwise in target.tags or target in FUSIBLE_REDUCTIONS
-            or target in FUSIBLE_CASTS)
+            or target in FUSIBLE_CASTS or target in FUSIBLE_DECOMPOSED)
 
 
 def materialized(node: fx.Node) -> bool:
-    """Whether ``node``'s output is written to device memory (False inside a fused chain)."""
-    return not is_fusible(node) or any(
-        user.op == "output" or not is_fusible(user) for user in node.users)
+    """Whether ``node``'s output is written to device memory (False inside a fused chain).
+    Views of it are seen through: Inductor indexes into a fused value as into a buffer."""
+    if not is_fusible(node):
+        return True
+    frontier = [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if is_view(user) and user.args and user.args[0] is current:
+                frontier.append(user)
+            elif user.op == "output" or not is_fusible(user):
+                return True
+    return False
 
 
 def _value(arg):
@@ -214,13 +230,17 @@ class CostModel:
         return (*self.describe(node), self._traffic(node), materialized(node))
 
     def compute_seconds(self, node: fx.Node) -> float:
-        """Seconds ``node`` keeps the compute stream busy (0 for views and graph plumbing); a
-        streamed weight's copy holds it for the copy's time on its lane."""
+        """Seconds ``node`` keeps the compute stream busy (0 for views and graph plumbing). Left
+        as traced, a streamed weight's fetch and its gradient's copy home run in program order
+        on the compute stream's queue: they cost their link time there, and the gradient also
+        its addition on the host, which the copy home waits for."""
         if not is_compute(node) or not hasattr(node.target, "_schema"):
             return 0.0
-        if node.target in STREAM_COPY_LANES:
-            return self.transfer_seconds(tensor_bytes(node.meta.get("val")),
-                                         STREAM_COPY_LANES[node.target])
+        if node.target is ops.fetch_weight:
+            return self.transfer_seconds(tensor_bytes(node.meta.get("val")), Lane.H2D)
+        if node.target is ops.grad_to_host:
+            nbytes = tensor_bytes(node.args[0].meta.get("val"))
+            return self.transfer_seconds(nbytes, Lane.D2H) + self.host_add_seconds(nbytes)
         if self.override is not None:
             measured = self.override(node)
             if measured is not None:
@@ -242,6 +262,14 @@ class CostModel:
         launch = self.profile.launch_s if materialized(node) else 0.0
         return max(node_flops(node) / rate, (reads + writes) / self.profile.memory_bandwidth,
                    launch)
+
+    def host_add_seconds(self, nbytes: int) -> float:
+        """Seconds the host takes to add a gradient of ``nbytes`` into its parameter's grad."""
+        return nbytes / self.profile.host_add_bandwidth
+
+    def host_step_seconds(self, nbytes: int) -> float:
+        """Seconds fused AdamW takes on the host to step a parameter of ``nbytes``."""
+        return nbytes / self.profile.host_adamw_bandwidth
 
     def transfer_seconds(self, nbytes: int, lane: Lane) -> float:
         """Seconds to copy ``nbytes`` alone on ``lane`` (``Lane.H2D`` or ``Lane.D2H``)."""

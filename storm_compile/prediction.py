@@ -30,6 +30,21 @@ class CopyTiming:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostTiming:
+    """One piece of work of storm's host thread: a gradient added into its parameter's
+    ``.grad`` (``node`` is its ``storm.accumulate_grad``) or, with an overlapped optimizer, a
+    parameter stepped (``node`` is the parameter's graph input)."""
+
+    graph: str
+    node: str
+    work: str
+    """``add`` or ``step``."""
+    start_s: float
+    end_s: float
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Prediction:
     step_s: float
     forward_s: float
@@ -39,5 +54,30 @@ class Prediction:
     """Device bytes held at the end of the forward, above weights and inputs."""
     peak_bytes: int
     offloaded_bytes: int
+    host_wait_s: float
+    """Time the end of the backward waited for the host thread after its copies were done."""
     timings: tuple[NodeTiming, ...]
     copies: tuple[CopyTiming, ...]
+    host: tuple[HostTiming, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrediction:
+    """One optimizer step: ``micro_batches`` forward and backward passes of a graph pair and
+    AdamW (fused, on the host) over the weights it streams."""
+
+    micro_batches: int
+    overlapped: bool
+    """Whether the optimizer steps the weights during the last backward
+    (:class:`~storm_compile.streaming.OverlappedOptimizer`)."""
+    micro_batch_s: float
+    """A forward and backward whose gradients the host adds."""
+    last_micro_batch_s: float
+    """The last forward and backward; overlapped, its backward also steps the weights."""
+    optimizer_s: float
+    """Host time of ``optimizer.step()`` after the last backward (0 overlapped)."""
+
+    @property
+    def step_s(self) -> float:
+        return ((self.micro_batches - 1) * self.micro_batch_s + self.last_micro_batch_s
+                + self.optimizer_s)

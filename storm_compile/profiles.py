@@ -31,6 +31,12 @@ class DeviceProfile:
     transfer_host_s: float
     """Host time of storm's six ops moving one storage out and back (offload, record, wait;
     prefetch, record, wait): step time whenever the step is host-bound."""
+    host_add_bandwidth: float
+    """Gradient bytes per second that storm's host thread adds into streamed parameters'
+    ``.grad`` (an ``add_`` of the pinned copy into a host tensor of its dtype)."""
+    host_adamw_bandwidth: float
+    """Parameter bytes per second that ``torch.optim.AdamW(fused=True)`` steps on the host,
+    one parameter at a time as :class:`~storm_compile.streaming.OverlappedOptimizer` does."""
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DeviceProfile":
@@ -52,7 +58,8 @@ class DeviceProfile:
         values = {}
         for field in dataclasses.fields(cls):
             if field.name not in data:
-                raise ValueError(f"device profile {source!r}: missing field {field.name!r}")
+                raise ValueError(f"device profile {source!r}: missing field {field.name!r} "
+                                 f"(written by an older storm? run `storm calibrate` again)")
             value = data[field.name]
             if field.name == "name":
                 values["name"] = str(value)
@@ -63,7 +70,8 @@ class DeviceProfile:
                                  f"finite, non-negative number, got {value!r}")
             values[field.name] = float(value)
         for name in ("matmul_flops", "fp32_flops", "memory_bandwidth", "h2d_bandwidth",
-                     "d2h_bandwidth", "duplex_bandwidth"):
+                     "d2h_bandwidth", "duplex_bandwidth", "host_add_bandwidth",
+                     "host_adamw_bandwidth"):
             if values[name] == 0:
                 raise ValueError(f"device profile {source!r}: field {name!r} must be > 0")
         return cls(**values)
@@ -80,6 +88,25 @@ TRANSFER_HOST_S = 178e-6
 the H100 machine (136 µs on the lent H200's host); every built-in profile uses it, since it is
 the host CPU's figure, not the GPU's: calibrate yours."""
 
+STREAMED_3B_8_LAYER_BYTES = 2_398_617_600
+"""Bytes of the parameters ``benchmarks.streaming`` streamed for the 3B shape cut to 8 layers
+(bf16, everything of 1 MiB or more): the measurements the two host rates below come from."""
+
+HOST_ADAMW_BANDWIDTH = STREAMED_3B_8_LAYER_BYTES / 0.183
+"""Fused AdamW on the H100 machine's host (16 cores) stepped those parameters in a median
+183 ms (benchmarks/RESULTS.md, one micro-batch of 4096 tokens): 13.1 GB/s of parameter bytes.
+Like ``TRANSFER_HOST_S``, a figure of the host, not of the GPU: calibrate yours."""
+
+HOST_ADD_BANDWIDTH = STREAMED_3B_8_LAYER_BYTES / 0.065
+"""The same run with four micro-batches spent up to 65 ms per micro-batch after the first
+adding those parameters' gradients into ``.grad`` on the host (its step time less four forward
+and backward passes and the optimizer): 36.9 GB/s of gradient bytes, the slower end of the
+50-65 ms seen. A figure of the host: calibrate yours."""
+
+HOST_RATES = {"host_add_bandwidth": HOST_ADD_BANDWIDTH,
+              "host_adamw_bandwidth": HOST_ADAMW_BANDWIDTH}
+"""The host rates of every built-in GPU profile: the host CPU's, not the GPU's."""
+
 PROFILES: dict[str, DeviceProfile] = {
     # Measured on our H100 80GB HBM3 (torch 2.11, cu130): pinned copies 55.2 GB/s each way,
     # 89 GB/s both ways at once, bf16 matmul 767 TFLOP/s; `storm calibrate` there gave fp32
@@ -88,29 +115,30 @@ PROFILES: dict[str, DeviceProfile] = {
     "h100": DeviceProfile("h100", matmul_flops=767e12, fp32_flops=51e12,
                           memory_bandwidth=2.97e12, launch_s=7.6e-6, h2d_bandwidth=55.2e9,
                           d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=15.8e-6,
-                          transfer_host_s=TRANSFER_HOST_S),
+                          transfer_host_s=TRANSFER_HOST_S, **HOST_RATES),
     # H200: bf16 and memory rates as seen on this workplace's H200 (790 TFLOP/s, 4.3 TB/s
     # read+write); the host link is the same PCIe Gen5 as the H100's.
     "h200": DeviceProfile("h200", matmul_flops=790e12, fp32_flops=55e12,
                           memory_bandwidth=4.3e12, launch_s=4e-6, h2d_bandwidth=55.2e9,
                           d2h_bandwidth=55.2e9, duplex_bandwidth=89e9, copy_latency_s=20e-6,
-                          transfer_host_s=TRANSFER_HOST_S),
+                          transfer_host_s=TRANSFER_HOST_S, **HOST_RATES),
     # Datasheet-derived, at about 80 % of peak: A100 PCIe 312 TFLOP/s bf16, 1.9 TB/s, Gen4 x16.
     "a100-pcie": DeviceProfile("a100-pcie", matmul_flops=250e12, fp32_flops=19.5e12,
                                memory_bandwidth=1.5e12, launch_s=5e-6, h2d_bandwidth=25e9,
                                d2h_bandwidth=25e9, duplex_bandwidth=40e9, copy_latency_s=10e-6,
-                               transfer_host_s=TRANSFER_HOST_S),
+                               transfer_host_s=TRANSFER_HOST_S, **HOST_RATES),
     # Datasheet-derived, at about 80 % of peak: RTX 4090 165 TFLOP/s bf16 (fp32 accumulate),
     # 1.0 TB/s, Gen4 x16.
     "rtx4090": DeviceProfile("rtx4090", matmul_flops=130e12, fp32_flops=66e12,
                              memory_bandwidth=0.8e12, launch_s=5e-6, h2d_bandwidth=25e9,
                              d2h_bandwidth=25e9, duplex_bandwidth=40e9, copy_latency_s=10e-6,
-                             transfer_host_s=TRANSFER_HOST_S),
+                             transfer_host_s=TRANSFER_HOST_S, **HOST_RATES),
     # Round numbers for tests: schedules printed with it are exact and never change.
     "cpu-test": DeviceProfile("cpu-test", matmul_flops=1e12, fp32_flops=1e12,
                               memory_bandwidth=1e11, launch_s=1e-6, h2d_bandwidth=1e10,
                               d2h_bandwidth=1e10, duplex_bandwidth=1.5e10, copy_latency_s=1e-5,
-                              transfer_host_s=0.0),
+                              transfer_host_s=0.0, host_add_bandwidth=1e10,
+                              host_adamw_bandwidth=5e9),
 }
 
 

@@ -13,7 +13,7 @@ from storm_compile import ops
 from storm_compile.cost_model import CostModel
 from storm_compile.graphs import StormGraphs
 from storm_compile.plan import Action, Decision, Storage
-from storm_compile.prediction import Prediction
+from storm_compile.prediction import Prediction, StepPrediction
 from storm_compile.simulate import simulate
 from storm_compile.vocabulary import COPY_LANES, GIB, MS, US, Lane, node_order, tensor_bytes
 
@@ -130,6 +130,7 @@ def summary(graphs: StormGraphs, prediction: Prediction, profile: str,
         "predicted_forward_ms": prediction.forward_s * MS,
         "baseline_step_ms": baseline.step_s * MS,
         "exposed_transfer_ms": prediction.exposed_transfer_s * MS,
+        "host_wait_ms": prediction.host_wait_s * MS,
         "activation_bytes": prediction.activation_bytes,
         "baseline_activation_bytes": baseline.activation_bytes,
         "budget_bytes": plan.target_bytes,
@@ -251,13 +252,23 @@ def format_storages(annotated: dict[str, object], title: str) -> str:
 
 
 LANE_TIDS = {Lane.COMPUTE: 1, Lane.D2H: 2, Lane.H2D: 3}
+HOST_THREAD_TID = 4
+HOST_THREAD_TRACK = "host thread"
 
 
 def chrome_trace(prediction: Prediction) -> dict[str, object]:
-    """The predicted timeline as Chrome trace JSON, one track per lane (ui.perfetto.dev)."""
+    """The predicted timeline as Chrome trace JSON, one track per lane and, when it has work,
+    one for storm's host thread (ui.perfetto.dev)."""
     events: list[dict[str, object]] = [
         {"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": lane.value}}
         for lane, tid in LANE_TIDS.items()]
+    if prediction.host:
+        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": HOST_THREAD_TID,
+                       "args": {"name": HOST_THREAD_TRACK}})
+    for h in prediction.host:
+        events.append({"name": f"{h.work} {h.node}", "cat": h.graph, "ph": "X", "pid": 1,
+                       "tid": HOST_THREAD_TID, "ts": h.start_s * US,
+                       "dur": (h.end_s - h.start_s) * US, "args": {"bytes": h.nbytes}})
     for t in prediction.timings:
         if t.lane is Lane.COMPUTE and t.end_s > t.start_s:
             events.append({"name": t.node, "cat": t.graph, "ph": "X", "pid": 1, "tid": 1,
@@ -295,10 +306,20 @@ def format_pareto(points: list[dict[str, object]]) -> str:
     return tabulate(rows, headers=PARETO_COLUMNS, disable_numparse=True)
 
 
-THROUGHPUT_FIELDS = ("tokens", "predicted_tokens_per_s", "predicted_step_ms",
-                     "exposed_transfer_ms", "activation_bytes", "device_bytes",
-                     "streamed_weight_bytes", "resident_weight_bytes")
-"""The summary figures ``storm throughput`` shows per tokens per micro-batch."""
+THROUGHPUT_FIELDS = ("tokens", "micro_batches", "predicted_tokens_per_s", "optimizer_step_ms",
+                     "micro_batch_ms", "host_wait_ms", "optimizer_ms", "exposed_transfer_ms",
+                     "activation_bytes", "device_bytes", "streamed_weight_bytes",
+                     "resident_weight_bytes")
+"""What ``storm throughput`` shows per tokens per micro-batch and micro-batches per step."""
+
+
+def throughput_row(summary: dict[str, object], step: StepPrediction) -> dict[str, object]:
+    """One row of ``storm throughput``: a plan's ``summary`` and its optimizer step ``step``."""
+    tokens = summary["tokens"] * step.micro_batches
+    return {**{k: summary[k] for k in THROUGHPUT_FIELDS if k in summary},
+            "micro_batches": step.micro_batches, "predicted_tokens_per_s": tokens / step.step_s,
+            "optimizer_step_ms": step.step_s * MS, "micro_batch_ms": step.micro_batch_s * MS,
+            "optimizer_ms": step.optimizer_s * MS}
 
 
 def format_throughput(rows: list[dict[str, object]]) -> str:

@@ -9,6 +9,14 @@ bandwidth. Device memory: a tensor's storage is allocated when its owner runs (u
 chain keeps it in registers) and released after the last use of the storage; forward inputs
 (weights, inputs) are the baseline every figure is taken above. The same replay of the graphs
 before storm rewrites them predicts the step without storm.
+
+A fourth lane is storm's host thread (``runtime.HostAdder``): each ``accumulate_grad`` hands it
+a gradient, which it adds once the gradient's copy home is done, in graph order; with an
+overlapped optimizer it steps each streamed weight once the weight's gradients are all added,
+between additions while the next copy still moves, and after the last. ``wait_host`` holds the
+end of the backward until the host thread is done. The host is assumed to have launched the
+backward's kernels ahead of the GPU, so a step never waits for the launches to end.
+:func:`predict_step` puts micro-batches and the optimizer together into one optimizer step.
 """
 
 from __future__ import annotations
@@ -22,7 +30,13 @@ from torch import fx
 from storm_compile import ops
 from storm_compile.cost_model import CostModel, materialized
 from storm_compile.graphs import StormGraphs, output_node, saved_values
-from storm_compile.prediction import CopyTiming, NodeTiming, Prediction
+from storm_compile.prediction import (
+    CopyTiming,
+    HostTiming,
+    NodeTiming,
+    Prediction,
+    StepPrediction,
+)
 from storm_compile.vocabulary import (
     COPY_LANES,
     Lane,
@@ -142,14 +156,57 @@ class _Memory:
         return None if to_host or owner in self.host_inputs else owner
 
 
-def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: float,
-          live: int, held: list[fx.Node], host_inputs: set[fx.Node], baseline: int,
-          timings: list[NodeTiming]) -> tuple[float, int, int, float]:
+class _HostThread:
+    """storm's host thread over one backward: gradients added in the order they are handed
+    over, each once its copy home is done; with ``steps``, each weight stepped once its
+    gradients are all added, while the thread would otherwise wait for the next copy."""
+
+    def __init__(self, cost: CostModel, name: str, steps: bool) -> None:
+        self.cost, self.name, self.steps = cost, name, steps
+        self.adds: list[fx.Node] = []
+        self.timings: list[HostTiming] = []
+
+    def hand_over(self, accumulate: fx.Node) -> None:
+        self.adds.append(accumulate)
+
+    def finish_time(self, link: _Link) -> float:
+        """When the thread is done with every addition (and step) handed over so far."""
+        adds_left = collections.Counter(a.args[1] for a in self.adds)
+        ready: collections.deque[fx.Node] = collections.deque()
+        free = 0.0
+        for accumulate in self.adds:
+            arrives = link.finish_time(_copy_of(accumulate))
+            while ready and free < arrives:
+                free = self._run(ready.popleft(), "step", free)
+            free = self._run(accumulate, "add", max(free, arrives))
+            weight = accumulate.args[1]
+            adds_left[weight] -= 1
+            if self.steps and adds_left[weight] == 0:
+                ready.append(weight)
+        while ready:
+            free = self._run(ready.popleft(), "step", free)
+        self.adds.clear()
+        return free
+
+    def _run(self, node: fx.Node, work: str, start: float) -> float:
+        if work == "add":
+            nbytes = _storage_bytes(node.args[0])
+            end = start + self.cost.host_add_seconds(nbytes)
+        else:
+            nbytes = _storage_bytes(node)
+            end = start + self.cost.host_step_seconds(nbytes)
+        self.timings.append(HostTiming(self.name, node.name, work, start, end, nbytes))
+        return end
+
+
+def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _HostThread,
+          start: float, live: int, held: list[fx.Node], host_inputs: set[fx.Node],
+          baseline: int, timings: list[NodeTiming]) -> tuple[float, int, int, float, float]:
     """Run one graph from ``live`` bytes, of which ``held`` are inputs it may release; returns
-    (end time, live bytes at the end, peak live bytes, stall time)."""
+    (end time, live bytes at the end, peak live bytes, copy stall time, host wait time)."""
     memory = _Memory(gm.graph, host_inputs)
     allocated = {node: _storage_bytes(node) for node in held}
-    t, peak, stall = start, live, 0.0
+    t, peak, stall, host_wait = start, live, 0.0, 0.0
     for index, node in enumerate(gm.graph.nodes):
         lane, begin = Lane.COMPUTE, t
         if node.target in COPY_LANES:
@@ -160,6 +217,13 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
             waited = node.args[0] if node.target is ops.wait_host else [node.args[0]]
             t = max([t, *(link.finish_time(_copy_of(w)) for w in waited)])
             stall += t - begin
+            if node.target is ops.wait_host:
+                copies_done = t
+                t = max(t, host.finish_time(link))
+                host_wait += t - copies_done
+        elif node.target is ops.accumulate_grad:
+            host.hand_over(node)
+            lane = Lane.NONE
         elif is_compute(node):
             t += cost.compute_seconds(node)
         else:
@@ -172,18 +236,21 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, start: fl
         for owner in memory.release_at.get(index, ()):
             live -= allocated.pop(owner, 0)
         timings.append(NodeTiming(name, node.name, lane, begin, t, live - baseline))
-    return t, live, peak, stall
+    return t, live, peak, stall, host_wait
 
 
-def simulate(graphs: StormGraphs, cost: CostModel) -> Prediction:
-    """Predict step time, exposed transfer time, activation memory and peak of the pair."""
+def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False) -> Prediction:
+    """Predict step time, exposed transfer time, activation memory and peak of the pair; with
+    ``steps``, the host thread also steps each streamed weight in the backward (an overlapped
+    optimizer's last micro-batch)."""
     fw, bw = graphs.forward, graphs.backward
     link = _Link(cost)
+    host = _HostThread(cost, "bw", steps)
     timings: list[NodeTiming] = []
     inputs = set(fw.graph.find_nodes(op="placeholder"))
     baseline = sum(_storage_bytes(n) for n in inputs)
-    fw_end, fw_live, fw_peak, fw_stall = _walk(fw, "fw", cost, link, 0.0, baseline, [],
-                                               set(), baseline, timings)
+    fw_end, fw_live, fw_peak, fw_stall, _ = _walk(fw, "fw", cost, link, host, 0.0, baseline,
+                                                  [], set(), baseline, timings)
 
     input_views = {n.name for n in saved_values(graphs) if storage_owner(n).op == "placeholder"}
     bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
@@ -194,8 +261,9 @@ def simulate(graphs: StormGraphs, cost: CostModel) -> Prediction:
                if isinstance(n, fx.Node)]
     bw_live = baseline + sum(_storage_bytes(n) for n in visible) + sum(
         _storage_bytes(n) for n in on_device)
-    bw_end, _, bw_peak, bw_stall = _walk(bw, "bw", cost, link, fw_end, bw_live, on_device,
-                                         host_inputs, baseline, timings)
+    bw_end, _, bw_peak, bw_stall, host_wait = _walk(bw, "bw", cost, link, host, fw_end,
+                                                    bw_live, on_device, host_inputs, baseline,
+                                                    timings)
     copies = []
     for name, gm in (("fw", fw), ("bw", bw)):
         for target, lane in COPY_LANES.items():
@@ -208,4 +276,31 @@ def simulate(graphs: StormGraphs, cost: CostModel) -> Prediction:
         activation_bytes=fw_live - baseline, peak_bytes=max(fw_peak, bw_peak) - baseline,
         offloaded_bytes=sum(_storage_bytes(n) for n in fw.graph.find_nodes(
             op="call_function", target=ops.offload)),
-        timings=tuple(timings), copies=tuple(copies))
+        host_wait_s=host_wait, timings=tuple(timings), copies=tuple(copies),
+        host=tuple(host.timings))
+
+
+def stepped_weights(graphs: StormGraphs) -> list[fx.Node]:
+    """The backward's inputs that are streamed weights, each once: what an optimizer over the
+    host parameters steps. Their gradients go home through ``storm.accumulate_grad`` (storm's
+    rewritten graphs) or ``storm.grad_to_host`` (as traced)."""
+    homes = [n for target in (ops.accumulate_grad, ops.grad_to_host)
+             for n in graphs.backward.graph.find_nodes(op="call_function", target=target)]
+    return list(dict.fromkeys(n.args[1] for n in homes))
+
+
+def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
+                 overlapped: bool) -> StepPrediction:
+    """One optimizer step of ``micro_batches`` forward and backward passes of the pair, AdamW
+    (fused, on the host) over its streamed weights: after the last backward, or, ``overlapped``
+    (:class:`~storm_compile.streaming.OverlappedOptimizer`), on the host thread during it. The
+    optimizer's device work for parameters left on the device is not counted (for a streamed
+    model: its norms and biases, a few MiB)."""
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
+    each = simulate(graphs, cost).step_s
+    last = simulate(graphs, cost, steps=True).step_s if overlapped else each
+    optimizer = 0.0 if overlapped else sum(
+        cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
+    return StepPrediction(micro_batches=micro_batches, overlapped=overlapped,
+                          micro_batch_s=each, last_micro_batch_s=last, optimizer_s=optimizer)

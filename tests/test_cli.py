@@ -17,7 +17,7 @@ from storm_compile import cli
 from storm_compile.cli import EXIT_USAGE, main
 from storm_compile.backend import StormBackend
 from storm_compile.config import GIB, StormConfig, StormOptionError
-from storm_compile.models import GPTShape, ModelSpecError
+from storm_compile.models import LLAMA_PRESETS, GPTShape, ModelSpecError
 
 TINY_GPT = ["--d-model", "64", "--layers", "2", "--heads", "4", "--seq", "64", "--batch", "2",
             "--min-offload-bytes", "0", "--profile", "cpu-test", "--offload", "all"]
@@ -553,12 +553,18 @@ def test_llama_knobs_are_checked(argv, message, capsys):
 
 STREAMED_LLAMA = ["llama", "--preset", "1b", "--layers", "1", "--seq", "256", "--stream"]
 """The smallest built-in whose matrices pass stream_parameters' 1 MiB: one 1B-shaped block."""
+BF16_BYTES = 2
 
 
 def test_schedule_of_a_streamed_model_reports_weights_and_tokens_per_second(capsys):
     assert main(["schedule", *STREAMED_LLAMA, "--format", "json"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
-    assert summary["streamed_weight_bytes"] > 0 and summary["tokens"] == 256
+    shape = dataclasses.replace(LLAMA_PRESETS["1b"], layers=1)
+    assert shape.tie_embeddings
+    norms = shape.d_model * (2 * shape.layers + 1)
+    assert summary["streamed_weight_bytes"] == (shape.parameters - norms) * BF16_BYTES, \
+        "the tied embedding is one weight, streamed once, as torch.compile traces it"
+    assert summary["tokens"] == 256
     assert summary["predicted_tokens_per_s"] == pytest.approx(
         256 / (summary["predicted_step_ms"] / 1e3))
     assert main(["schedule", *STREAMED_LLAMA]) == 0
@@ -570,15 +576,48 @@ def test_throughput_plans_each_micro_batch_size(capsys):
     assert main(["throughput", *STREAMED_LLAMA, "--tokens", "256,512", "--format",
                  "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["tokens"] for r in rows] == [256, 512]
+    assert [(r["tokens"], r["micro_batches"]) for r in rows] == [(256, 1), (512, 1)]
     assert rows[1]["activation_bytes"] > rows[0]["activation_bytes"]
     assert all(r["streamed_weight_bytes"] == rows[0]["streamed_weight_bytes"] > 0 for r in rows)
+    for row in rows:
+        assert row["optimizer_step_ms"] == pytest.approx(row["micro_batch_ms"]
+                                                         + row["optimizer_ms"])
+        assert row["predicted_tokens_per_s"] == pytest.approx(
+            row["tokens"] / row["optimizer_step_ms"] * 1e3)
+
+
+def test_throughput_over_micro_batches_spreads_the_host_optimizer(capsys):
+    argv = ["throughput", *STREAMED_LLAMA, "--tokens", "256", "--micro-batches", "1,4",
+            "--format", "json"]
+    assert main(argv) == 0
+    one, four = json.loads(capsys.readouterr().out)
+    assert (one["micro_batches"], four["micro_batches"]) == (1, 4)
+    assert one["optimizer_ms"] == four["optimizer_ms"] > 0
+    assert four["optimizer_step_ms"] == pytest.approx(4 * four["micro_batch_ms"]
+                                                      + four["optimizer_ms"])
+    assert four["predicted_tokens_per_s"] > one["predicted_tokens_per_s"]
+    assert main([*argv, "--overlap-optimizer"]) == 0
+    overlapped = json.loads(capsys.readouterr().out)
+    assert all(r["optimizer_ms"] == 0 for r in overlapped)
+    assert overlapped[0]["optimizer_step_ms"] <= one["optimizer_step_ms"]
+
+
+def test_trace_of_a_streamed_model_has_the_host_threads_work(capsys, tmp_path):
+    trace = tmp_path / "trace.json"
+    assert main(["schedule", *STREAMED_LLAMA, "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    (track,) = [e["tid"] for e in events if e["ph"] == "M"
+                and e["args"]["name"] == "host thread"]
+    adds = [e for e in events if e["ph"] == "X" and e["tid"] == track]
+    assert adds and all(e["name"].startswith("add ") and e["args"]["bytes"] > 0 for e in adds)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["llama", "--preset", "tiny", "--tokens", "48"], "multiples of the sequence length 32"),
     (["llama", "--preset", "tiny", "--tokens", "32,x"], "multiples of the sequence length 32"),
     (["{factory}:good", "--tokens", "64"], "throughput needs a built-in model"),
+    (["llama", "--preset", "tiny", "--tokens", "32", "--micro-batches", "0"],
+     "--micro-batches 0: expected comma-separated positive integers"),
 ])
 def test_throughput_bad_input_is_one_line(argv, message, factory_file, capsys):
     assert main(["throughput", *(a.format(factory=factory_file) for a in argv)]) == EXIT_USAGE

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from storm_compile import ops
-from storm_compile.cost_model import ATTENTION_EFFICIENCY, CostModel, node_flops
+from storm_compile.cost_model import ATTENTION_EFFICIENCY, CostModel, materialized, node_flops
 from storm_compile.profiles import PROFILES, DeviceProfile
 from storm_compile.simulate import _Link
 from storm_compile.vocabulary import Lane
@@ -111,8 +111,42 @@ def test_streamed_weight_copies_cost_their_link_time():
     weight.meta["val"] = torch.empty(1024, 1024)
     fetch = graph.call_function(ops.fetch_weight, (weight, torch.device("cpu")))
     fetch.meta["val"] = torch.empty(1024, 1024)
-    home = graph.call_function(ops.grad_to_host, (fetch, torch.device("cpu")))
-    home.meta["val"] = torch.empty(1024, 1024)
+    home = graph.call_function(ops.grad_to_host, (fetch, weight))
+    home.meta["val"] = None
     model = CostModel(TEST)
     assert model.compute_seconds(fetch) == pytest.approx(model.transfer_seconds(4 << 20, Lane.H2D))
-    assert model.compute_seconds(home) == pytest.approx(model.transfer_seconds(4 << 20, Lane.D2H))
+    assert model.compute_seconds(home) == pytest.approx(
+        model.transfer_seconds(4 << 20, Lane.D2H) + (4 << 20) / TEST.host_add_bandwidth)
+
+
+def test_profile_without_the_host_rates_asks_for_a_new_calibration(tmp_path):
+    path = tmp_path / "old.json"
+    data = json.loads(PROFILES["h100"].to_text())
+    del data["host_adamw_bandwidth"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="'host_adamw_bandwidth'.*run `storm calibrate` again"):
+        DeviceProfile.from_json(path)
+
+
+def _materialized(fn, *shapes) -> dict[str, bool]:
+    """Whether each call of ``fn``, traced with fake inputs of ``shapes``, writes memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        gm = make_fx(fn)(*(torch.empty(s) for s in shapes))
+    return {str(n.target): materialized(n) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_cross_entropy_fuses_like_the_pointwise_ops_inductor_decomposes_it_into():
+    fused = _materialized(lambda x, t: torch.nn.functional.cross_entropy(x, t.long()),
+                          (8, 32), (8,))
+    assert fused["aten._log_softmax.default"] is False
+    assert fused["aten.nll_loss_forward.default"] is True
+
+
+def test_a_fused_value_read_through_a_view_stays_fused_unless_the_view_escapes():
+    inside = _materialized(lambda x: torch.log_softmax(x, -1).view(-1).exp().sum(), (8, 32))
+    assert inside["aten._log_softmax.default"] is False
+    escaping = _materialized(lambda x: torch.log_softmax(x, -1).view(-1), (8, 32))
+    assert escaping["aten._log_softmax.default"] is True

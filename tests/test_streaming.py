@@ -13,13 +13,16 @@ from torch import fx
 from helpers import CPU_TEST_OPTIONS, cost_model, nodes
 from storm_compile import ops, storm, streaming
 from storm_compile.backend import StormBackend
+from storm_compile.calibrate import host_rates
+from storm_compile.cost_model import CostModel
 from storm_compile.config import StormConfig
 from storm_compile.graphs import PassContext, saved_values
 from storm_compile.passes import StormBudgetError, StormVerificationError, verify_graphs
 from storm_compile.pipeline import run_passes
+from storm_compile.profiles import PROFILES
 from storm_compile.runtime import HostAdder
 from storm_compile.report import summary
-from storm_compile.simulate import simulate
+from storm_compile.simulate import predict_step, simulate, stepped_weights
 from storm_compile.models import LLAMA_PRESETS, build_llama
 from storm_compile.streaming import StormHostMemoryError, stream_parameters
 from storm_compile.vocabulary import storage_owner, tensor_bytes
@@ -553,3 +556,79 @@ def test_overlapped_optimizer_waits_for_every_graph_of_a_broken_step():
     assert len(sending) >= 2, "the break did not split the step"
     for param, want in zip(params, expected):
         torch.testing.assert_close(param, want)
+
+
+def _send_of(node: fx.Node) -> fx.Node:
+    """The ``storm.send_grad`` an ``accumulate_grad`` adds the copy of."""
+    while node.target is not ops.send_grad:
+        node = node.args[0]
+    return node
+
+
+def _host_rates(add: float = 1e10, adamw: float = 5e9) -> CostModel:
+    return CostModel(dataclasses.replace(PROFILES["cpu-test"], host_add_bandwidth=add,
+                                         host_adamw_bandwidth=adamw))
+
+
+def _one_at_a_time(work) -> bool:
+    return all(b.start_s >= a.end_s - 1e-15 for a, b in zip(work, work[1:]))
+
+
+def test_host_thread_adds_each_gradient_after_its_copy_and_the_backward_waits_for_it():
+    graphs, _ = _streamed_graphs()
+    adds = nodes(graphs.backward, ops.accumulate_grad)
+    fast, slow = (simulate(graphs, _host_rates(add=rate)) for rate in (1e10, 1e6))
+    for prediction, rate in ((fast, 1e10), (slow, 1e6)):
+        copies = {c.node: c for c in prediction.copies if c.graph == "bw"}
+        work = list(prediction.host)
+        assert [(h.work, h.node) for h in work] == [("add", a.name) for a in adds]
+        for h, add in zip(work, adds):
+            assert h.start_s >= copies[_send_of(add).name].end_s
+            assert h.end_s - h.start_s == pytest.approx(h.nbytes / rate)
+        assert _one_at_a_time(work)
+        assert prediction.step_s >= work[-1].end_s
+    assert fast.host_wait_s < slow.host_wait_s
+    assert slow.step_s == pytest.approx(slow.host[-1].end_s)
+
+
+def test_overlapped_steps_follow_each_weights_last_addition():
+    graphs, _ = _streamed_graphs()
+    prediction = simulate(graphs, _host_rates(), steps=True)
+    work = list(prediction.host)
+    weights = {a.name: a.args[1].name for a in nodes(graphs.backward, ops.accumulate_grad)}
+    last_add = {}
+    for h in work:
+        if h.work == "add":
+            last_add[weights[h.node]] = h.end_s
+    steps = [h for h in work if h.work == "step"]
+    assert sorted(h.node for h in steps) == sorted(set(weights.values()))
+    assert all(h.start_s >= last_add[h.node] for h in steps)
+    assert _one_at_a_time(work)
+    assert prediction.step_s >= work[-1].end_s
+
+
+def test_predicted_optimizer_step_puts_micro_batches_and_the_optimizer_together():
+    graphs, _ = _streamed_graphs()
+    cost = _host_rates()
+    weights = stepped_weights(graphs)
+    assert len(weights) == len(nodes(graphs.backward, ops.accumulate_grad))
+    after = predict_step(graphs, cost, 4, overlapped=False)
+    during = predict_step(graphs, cost, 4, overlapped=True)
+    for step in (after, during):
+        assert step.micro_batch_s == pytest.approx(simulate(graphs, cost).step_s)
+        assert step.step_s == pytest.approx(3 * step.micro_batch_s + step.last_micro_batch_s
+                                            + step.optimizer_s)
+    assert after.optimizer_s == pytest.approx(
+        sum(tensor_bytes(w.meta["val"]) for w in weights) / 5e9)
+    assert after.last_micro_batch_s == after.micro_batch_s
+    assert during.optimizer_s == 0
+    assert during.micro_batch_s <= during.last_micro_batch_s
+    assert during.step_s <= after.step_s
+    with pytest.raises(ValueError, match="micro_batches must be at least 1"):
+        predict_step(graphs, cost, 0, overlapped=False)
+
+
+def test_host_rates_are_measured_on_this_host():
+    rates = host_rates(nbytes=1 << 20, repeats=1)
+    assert set(rates) == {"host_add_bandwidth", "host_adamw_bandwidth"}
+    assert all(0 < rate < float("inf") for rate in rates.values())

@@ -31,7 +31,10 @@ from storm_compile.passes.rematerialize import RecomputeRejectedError
 from storm_compile.passes.verify import StormVerificationError
 from storm_compile.plan import Action
 from storm_compile.ranks import check_ranks_agree
-from storm_compile.streaming import refetch_in_backward, sum_gradients_on_device
+from storm_compile.simulate import device_bytes, simulate
+from storm_compile.step_budget import StormBudgetError
+from storm_compile.streaming import device_weights, refetch_in_backward, sum_gradients_on_device
+from storm_compile.vocabulary import GIB, RECOMPUTE_TAG
 
 log = logging.getLogger("storm_compile")
 
@@ -115,6 +118,85 @@ def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     return graphs
 
 
+PEAK_ROUNDS = 5
+"""Plans a streamed graph gets after its first when its predicted device peak is over a byte
+``memory_budget``. The backward's peak above the saved activations moves with the plan (what is
+recomputed, which weights are kept, how much is prefetched ahead), so round ``k`` aims the
+activations at the last plan's less its excess over the budget times ``2**k`` (never below
+their minimum) and lowers ``prefetch_window_bytes`` to at most what the last peak held besides
+activations, less the same amount, and halves it once the activations are at their minimum:
+plans that fit settle in one to three rounds."""
+
+
+def _recompute_tags(joint: JointGraph) -> dict[str, object]:
+    """The joint graph's recompute tags by node name (the partitioner may rebuild the graph's
+    nodes, keeping their names)."""
+    return {n.name: n.meta[RECOMPUTE_TAG] for n in joint.module.graph.nodes
+            if RECOMPUTE_TAG in n.meta}
+
+
+def _retag(joint: JointGraph, tags: dict[str, object]) -> None:
+    """Put the joint graph's recompute tags back to ``tags``."""
+    for node in joint.module.graph.nodes:
+        if node.name in tags:
+            node.meta[RECOMPUTE_TAG] = tags[node.name]
+        else:
+            node.meta.pop(RECOMPUTE_TAG, None)
+
+
+def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """:func:`run_passes`; then, for a graph that streams weights under a byte
+    ``memory_budget``, which bounds the device's weights and activations at the step's peak,
+    plan again from a fresh split with the budget lowered further each time the predicted device
+    peak (:func:`~storm_compile.simulate.device_bytes`) is over it, at most :data:`PEAK_ROUNDS`
+    times (the step's ledger keeps the last plan's share). Raises :class:`StormBudgetError` when
+    no plan's peak fits, stating the least peak seen and where it is."""
+    joint, budget = graphs.joint, ctx.config.memory_budget
+    tags = _recompute_tags(joint)
+    window = ctx.config.prefetch_window_bytes
+    weights = device_weights(graphs.forward, window)
+    planned = run_passes(graphs, ctx)
+    if not isinstance(budget, int) or weights is None or planned.plan.target_bytes is None:
+        return planned
+    lowered, least = budget, None
+    for round_ in range(PEAK_ROUNDS + 1):
+        prediction = simulate(planned, ctx.cost)
+        peak = device_bytes(planned, prediction)
+        if peak <= budget:
+            return planned
+        if least is None or peak < least[0]:
+            least = (peak, max(prediction.timings, key=lambda t: t.memory_after))
+        if round_ == PEAK_ROUNDS:
+            break
+        excess = (peak - budget) * 2**round_
+        target = max(planned.plan.minimum_bytes, prediction.activation_bytes - excess)
+        window = max(0, min(window, peak - prediction.activation_bytes) - excess)
+        if target == prediction.activation_bytes:
+            window //= 2
+        _retag(joint, tags)
+        forward, backward = joint.split()
+        fresh = StormGraphs(forward, backward, graphs.num_fwd_outputs, joint=joint,
+                            records=graphs.records)
+        now = device_weights(forward, window)
+        lowered -= planned.plan.target_bytes - target + weights.nbytes - now.nbytes
+        weights = now
+        tighter = dataclasses.replace(ctx, config=dataclasses.replace(
+            ctx.config, memory_budget=lowered, prefetch_window_bytes=window))
+        try:
+            planned = run_passes(fresh, tighter)
+        except StormBudgetError:
+            break
+    peak, at = least
+    raise StormBudgetError(
+        f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the device memory "
+        f"this streamed graph needs at its peak: of the plans storm tried, with up to every "
+        f"activation that may move offloaded or recomputed, the least predicted peak is {peak} "
+        f"bytes ({peak / GIB:.3f} GiB), at {at.node} of the "
+        f"{'backward' if at.graph == 'bw' else 'forward'}. Raise memory_budget, lower "
+        f"prefetch_window_bytes ({ctx.config.prefetch_window_bytes} bytes of streamed weights "
+        f"may be copied ahead), or use fewer tokens per micro-batch")
+
+
 def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
                     observer: Callable[[StormGraphs], None] | None = None,
                     **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -131,8 +213,9 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
     log.debug("storm: pass split took %.3f s", split.seconds)
     graphs = StormGraphs(forward, backward, partition_kwargs["num_fwd_outputs"], joint=joint_graph,
                          records=(split,))
-    # 2-5. annotate costs, plan, (re-split to recompute), place, insert transfers; verified.
-    graphs = run_passes(graphs, ctx)
+    # 2-5. annotate costs, plan, (re-split to recompute), place, insert transfers; verified;
+    #      a streamed graph planned again while its predicted peak is over a byte budget.
+    graphs = plan_within_budget(graphs, ctx)
     # 6. agree: every rank of a process group made this same plan.
     check_ranks_agree(graphs)
     if observer is not None:

@@ -14,7 +14,7 @@ from storm_compile.cost_model import CostModel
 from storm_compile.graphs import StormGraphs
 from storm_compile.plan import Action, Decision, Storage
 from storm_compile.prediction import Prediction, StepPrediction
-from storm_compile.simulate import simulate
+from storm_compile.simulate import device_bytes, host_inputs, simulate
 from storm_compile.vocabulary import COPY_LANES, GIB, MS, US, Lane, node_order, tensor_bytes
 
 
@@ -109,21 +109,13 @@ def storage_rows(graphs: StormGraphs) -> list[StorageRow]:
             for s, d in _decided(graphs)]
 
 
-def _streamed_weights(graphs: StormGraphs) -> set[fx.Node]:
-    """Forward inputs that live in host memory: the streamed weights, copied in by prefetches."""
-    return {n for n in graphs.forward.graph.find_nodes(op="placeholder")
-            if any(u.target is ops.prefetch for u in n.users)}
-
-
 def summary(graphs: StormGraphs, prediction: Prediction, profile: str,
             tokens: int | None = None) -> dict[str, object]:
     """Every figure of the plan; with ``tokens`` (tokens per micro-batch, for a language model)
     also the predicted tokens per second of its forward and backward."""
     actions = [d.action for _, d in _decided(graphs)]
     plan, baseline = graphs.plan, graphs.plan.baseline
-    streamed = _streamed_weights(graphs)
-    inputs = graphs.forward.graph.find_nodes(op="placeholder")
-    resident = sum(tensor_bytes(n.meta.get("val")) for n in inputs if n not in streamed)
+    streamed = host_inputs(graphs)
     return {
         "profile": profile,
         "predicted_step_ms": prediction.step_s * MS,
@@ -145,7 +137,7 @@ def summary(graphs: StormGraphs, prediction: Prediction, profile: str,
         "kept_storages": actions.count(Action.KEEP),
         "streamed_weight_bytes": sum(tensor_bytes(n.meta.get("val")) for n in streamed),
         "resident_weight_bytes": sum(w.nbytes for w in graphs.storages.resident),
-        "device_bytes": resident + prediction.peak_bytes,
+        "device_bytes": device_bytes(graphs, prediction),
         "tokens": tokens,
         "predicted_tokens_per_s": None if tokens is None else tokens / prediction.step_s,
     }

@@ -41,7 +41,6 @@ from storm_compile.vocabulary import (
     COPY_LANES,
     Lane,
     is_compute,
-    node_order,
     storage_owner,
     tensor_bytes,
 )
@@ -304,3 +303,19 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
         cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
     return StepPrediction(micro_batches=micro_batches, overlapped=overlapped,
                           micro_batch_s=each, last_micro_batch_s=last, optimizer_s=optimizer)
+
+
+def host_inputs(graphs: StormGraphs) -> set[fx.Node]:
+    """Forward inputs that live in host memory: the streamed weights, copied in by prefetches."""
+    return {n for n in graphs.forward.graph.find_nodes(op="placeholder")
+            if any(u.target is ops.prefetch for u in n.users)}
+
+
+def device_bytes(graphs: StormGraphs, prediction: Prediction) -> int:
+    """Device memory at the predicted peak: the forward's inputs that live on the device
+    (parameters left there, buffers, the batch, the kept copy of a resident streamed weight)
+    and the peak above them."""
+    streamed = host_inputs(graphs)
+    return prediction.peak_bytes + sum(
+        tensor_bytes(n.meta.get("val")) for n in graphs.forward.graph.find_nodes(op="placeholder")
+        if n not in streamed)

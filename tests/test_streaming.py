@@ -3,6 +3,7 @@ model they came from, in eager mode, under aot_eager and under storm."""
 
 import copy
 import dataclasses
+import re
 import threading
 import time
 
@@ -22,7 +23,7 @@ from storm_compile.pipeline import run_passes
 from storm_compile.profiles import PROFILES
 from storm_compile.runtime import HostAdder
 from storm_compile.report import summary
-from storm_compile.simulate import predict_step, simulate, stepped_weights
+from storm_compile.simulate import device_bytes, predict_step, simulate, stepped_weights
 from storm_compile.models import LLAMA_PRESETS, build_llama
 from storm_compile.streaming import StormHostMemoryError, stream_parameters
 from storm_compile.vocabulary import storage_owner, tensor_bytes
@@ -309,14 +310,37 @@ def test_streamed_training_on_the_gpu_matches_the_resident_model():
         torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_byte_budget_pays_for_the_weights_on_the_device_first():
+def _unbudgeted_device_peak() -> tuple[int, int]:
+    """The streamed tiny Llama's predicted device peak without a budget, and the device weights
+    a byte budget pays for first."""
     graphs, config = _streamed_graphs()
     weights = streaming.device_weights(graphs.forward, config.prefetch_window_bytes)
-    baseline = graphs.plan.baseline.activation_bytes
-    budget = weights.nbytes + baseline // 2
-    planned, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
-    assert planned.plan.target_bytes == baseline // 2
-    assert simulate(planned, cost_model()).activation_bytes <= baseline // 2
+    return device_bytes(graphs, simulate(graphs, cost_model())), weights.nbytes
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.8, 0.7])
+def test_a_byte_budget_bounds_a_streamed_graphs_device_peak(fraction):
+    peak, weights = _unbudgeted_device_peak()
+    budget = int(peak * fraction)
+    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+    prediction = simulate(graphs, cost_model())
+    assert device_bytes(graphs, prediction) <= budget
+    assert prediction.activation_bytes <= graphs.plan.target_bytes < budget - weights, \
+        "the backward's peak above the saved activations is paid for too"
+
+
+def test_a_byte_budget_below_every_plans_peak_names_where_the_peak_is():
+    peak, weights = _unbudgeted_device_peak()
+    budget = int(peak * 0.55)
+    assert budget > weights
+    with pytest.raises(Exception) as caught:
+        _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+    error = getattr(caught.value, "inner_exception", caught.value)
+    assert isinstance(error, StormBudgetError)
+    least = int(re.search(r"least predicted peak is (\d+) bytes", str(error)).group(1))
+    assert least > budget
+    assert re.search(r"at \w+ of the (backward|forward)", str(error))
+    assert "prefetch_window_bytes" in str(error)
 
 
 def test_a_byte_budget_below_the_weights_names_the_largest():

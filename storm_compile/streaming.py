@@ -40,6 +40,10 @@ HOST_COPIES = 2
 """Host bytes per streamed parameter byte that exist whatever the optimizer: the parameter and
 its gradient."""
 
+ADAMW_STATES = 2
+"""Tensors of the parameter's size that Adam and AdamW keep per parameter (the two moments):
+``stream_parameters``' default ``optimizer_states``."""
+
 
 class StormHostMemoryError(MemoryError):
     """The host cannot hold what streaming puts there."""
@@ -101,14 +105,23 @@ def _register_state_dict_names(module: nn.Module, names: tuple[str, ...]) -> Non
 
 def stream_parameters(model: nn.Module, device: torch.device | str,
                       resident_bytes: int = DEFAULT_RESIDENT_BYTES, *,
+                      optimizer_states: int = ADAMW_STATES,
                       host_check: bool = True) -> Streamed:
     """Move ``model``'s parameters of at least ``resident_bytes`` to host memory, read on
     ``device`` through ``storm.fetch_weight``; smaller ones move to ``device`` and stay there.
 
     Raises :class:`StormHostMemoryError`, before anything moves, when the host does not have
-    room for the streamed parameters and their gradients (``host_check=False`` skips that, for
-    a model of fake tensors planned for another machine); ``ValueError`` when ``model``
-    already streams."""
+    room for the streamed parameters, their gradients and ``optimizer_states`` tensors of their
+    size per parameter that the optimizer over them will keep on the host (2 for Adam and
+    AdamW, 1 for SGD with momentum, 0 for plain SGD or an optimizer elsewhere); its state is
+    made at its first step, after the first forward and backward, where running out of host
+    memory would lose that work. ``host_check=False`` skips the check, for a model of fake
+    tensors planned for another machine. Raises ``ValueError`` when ``model`` already streams
+    or ``optimizer_states`` is negative."""
+    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) \
+            or optimizer_states < 0:
+        raise ValueError(f"stream_parameters: optimizer_states must be an int >= 0, got "
+                         f"{optimizer_states!r}")
     device = torch.device(device)
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         raise ValueError("stream_parameters: the model already has parametrizations (streamed "
@@ -125,11 +138,13 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
     unique = {id(p): p for _, p in streamed}
     host_bytes = sum(p.numel() * p.element_size() for p in unique.values())
     available = available_host_bytes()
-    if host_check and HOST_COPIES * host_bytes > available:
+    needed = (HOST_COPIES + optimizer_states) * host_bytes
+    if host_check and needed > available:
         raise StormHostMemoryError(
-            f"stream_parameters: the streamed parameters and their gradients need "
-            f"{HOST_COPIES * host_bytes} bytes ({HOST_COPIES * host_bytes / GIB:.2f} GiB) of "
-            f"host memory; {available} bytes ({available / GIB:.2f} GiB) are available")
+            f"stream_parameters: the streamed parameters, their gradients and "
+            f"{optimizer_states} optimizer state tensor(s) each (optimizer_states) need "
+            f"{needed} bytes ({needed / GIB:.2f} GiB) of host memory; {available} bytes "
+            f"({available / GIB:.2f} GiB) are available")
     pin = torch.cuda.is_available()
     for param in unique.values():
         host = param.data.to("cpu")

@@ -77,6 +77,21 @@ def test_streamed_gradients_match(backend):
         torch.testing.assert_close(grad, expected)
 
 
+def test_streamed_gradients_match_under_bf16_autocast():
+    """The weights' copies to the device are cast by autocast where the model reads them, as
+    the resident model's are: same losses and gradients under bf16 autocast."""
+    reference, model, batch = _pair()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_loss = _run(reference, "aot_eager")(*batch)
+        loss = _run(model, BACKENDS["storm"])(*batch)
+    expected_loss.backward()
+    loss.backward()
+    assert loss.item() == expected_loss.item()
+    for grad, expected in zip(_grads(model), _grads(reference)):
+        assert grad.dtype == expected.dtype == torch.float32
+        torch.testing.assert_close(grad, expected)
+
+
 def test_inductor_alone_runs_a_streamed_model_correctly():
     """Without storm the fetches are plain copies in program order: slow, never wrong."""
     reference, model, batch = _pair()
@@ -274,6 +289,27 @@ def test_not_enough_host_memory_is_an_error_before_anything_moves(monkeypatch):
     with pytest.raises(StormHostMemoryError, match=r"need \d+ bytes .* 1024 bytes"):
         stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("states, fits", [(2, False), (0, True)])
+def test_host_check_counts_the_optimizers_state(monkeypatch, states, fits):
+    torch.manual_seed(0)
+    model, _ = build_llama(SHAPE)
+    host_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                     if p.numel() * p.element_size() >= RESIDENT_BYTES)
+    monkeypatch.setattr(streaming, "available_host_bytes", lambda: 3 * host_bytes)
+    if fits:
+        stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, optimizer_states=states)
+        return
+    with pytest.raises(StormHostMemoryError, match=f"need {4 * host_bytes} bytes"):
+        stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, optimizer_states=states)
+
+
+@pytest.mark.parametrize("states", [-1, 1.5, True])
+def test_optimizer_states_must_be_a_count(states):
+    model, _ = build_llama(SHAPE)
+    with pytest.raises(ValueError, match="optimizer_states must be an int >= 0"):
+        stream_parameters(model, "cpu", optimizer_states=states)
 
 
 def test_streaming_twice_is_an_error():

@@ -25,7 +25,8 @@ Two parts, both optional:
   6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory,
   and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches'
   forward and backward, the host thread's additions and the host AdamW, overlapped or after,
-  as :func:`storm_compile.simulate.predict_step` predicts it).
+  as :func:`storm_compile.simulate.predict_step` predicts it) with where it predicts the step
+  waits: on copies (exposed transfers) and on the host (additions and optimizer).
 
     python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
         [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]
@@ -94,8 +95,9 @@ class _Run:
     loss of the last micro-batch and the optimizer's seconds."""
 
     step: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], tuple[float, float]]
-    predicted_s: Callable[[int], float | None]
-    """Predicted seconds of an optimizer step of that many micro-batches; None if unpredicted."""
+    predicted: Callable[[int], StepPrediction | None]
+    """The prediction of an optimizer step of that many micro-batches (all graphs of the step
+    summed); None if unpredicted."""
 
 
 def _model(shape: LlamaShape) -> nn.Module:
@@ -141,7 +143,7 @@ def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
     _cap(None, cuda)
     model = _model(shape).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda count: None)
+    return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda micro_batches: None)
 
 
 def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
@@ -157,16 +159,20 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
         predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap))
 
-    def predicted_s(micro_batches: int) -> float | None:
-        return sum(dataclasses.replace(p, micro_batches=micro_batches).step_s
-                   for p in predicted) if predicted else None
+    def predicted_step(micro_batches: int) -> StepPrediction | None:
+        if not predicted:
+            return None
+        fields = ("micro_batch_s", "last_micro_batch_s", "optimizer_s", "exposed_transfer_s",
+                  "host_wait_s")
+        return dataclasses.replace(predicted[0], micro_batches=micro_batches, **{
+            f: sum(getattr(p, f) for p in predicted) for f in fields})
 
     backend = StormBackend(StormConfig.from_options(**options), observer=observe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
     overlapped = OverlappedOptimizer(optimizer) if overlap else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
                          overlapped),
-                predicted_s)
+                predicted_step)
 
 
 def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
@@ -184,7 +190,7 @@ def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
         fully_shard(block, offload_policy=CPUOffloadPolicy())
     fully_shard(model, offload_policy=CPUOffloadPolicy())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(model, optimizer, args.sync), lambda count: None)
+    return _Run(_trainer(model, optimizer, args.sync), lambda micro_batches: None)
 
 
 BUILDERS = {"compile": _compile, "storm": _storm,
@@ -262,10 +268,13 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
                    tflops=_model_flops(shape, tokens) / step / 1e12,
                    optimizer_ms=min(optimizer_s) * MS,
                    peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
-        predicted = run.predicted_s(micro_batches)
+        predicted = run.predicted(micro_batches)
         if predicted is not None:
-            row.update(pred_tokens_per_s=tokens / predicted,
-                       pred_error=(tokens / predicted) / row["tokens_per_s"] - 1)
+            row.update(pred_tokens_per_s=tokens / predicted.step_s,
+                       pred_error=(tokens / predicted.step_s) / row["tokens_per_s"] - 1,
+                       pred_exposed_ms=predicted.micro_batches
+                       * predicted.exposed_transfer_s * MS,
+                       pred_host_ms=predicted.host_s * MS)
     except Exception as error:  # noqa: BLE001 - a failing method is a result, not a crash
         row["error"] = error_line(error)
     _release()
@@ -299,11 +308,14 @@ def markdown(results: dict) -> str:
                      f"{row['tflops']:.1f}", f"{row['optimizer_ms']:.0f}",
                      "" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}",
                      f"{row['pred_tokens_per_s']:.0f} ({row['pred_error']:+.0%})"
+                     if "pred_tokens_per_s" in row else "",
+                     f"{row['pred_exposed_ms']:.0f} / {row['pred_host_ms']:.0f}"
                      if "pred_tokens_per_s" in row else ""])
     if rows:
         parts.append(tabulate(rows, headers=["method", "tokens/µbatch", "µbatches", "tokens/s",
                                              f"× {REFERENCE}", "TFLOP/s", "optimizer ms",
-                                             "peak GiB", "predicted tokens/s"],
+                                             "peak GiB", "predicted tokens/s",
+                                             "predicted copy / host waits ms"],
                               tablefmt="github"))
     return "\n\n".join(parts) + "\n"
 

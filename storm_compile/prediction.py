@@ -76,6 +76,17 @@ class StepPrediction:
     """The last forward and backward; overlapped, its backward also steps the weights."""
     optimizer_s: float
     """Host time of ``optimizer.step()`` after the last backward (0 overlapped)."""
+    exposed_transfer_s: float
+    """Time one micro-batch's compute waits on copies."""
+    host_wait_s: float
+    """Time one micro-batch's backward end waits for the host thread's additions."""
+
+    @property
+    def host_s(self) -> float:
+        """Time the step waits for the host: every micro-batch's additions, the steps the last
+        backward waits for (overlapped) and the optimizer after it."""
+        return (self.micro_batches * self.host_wait_s + self.last_micro_batch_s
+                - self.micro_batch_s + self.optimizer_s)
 
     @property
     def step_s(self) -> float:

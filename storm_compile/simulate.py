@@ -297,12 +297,14 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
     model: its norms and biases, a few MiB)."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
-    each = simulate(graphs, cost).step_s
-    last = simulate(graphs, cost, steps=True).step_s if overlapped else each
+    each = simulate(graphs, cost)
+    last = simulate(graphs, cost, steps=True).step_s if overlapped else each.step_s
     optimizer = 0.0 if overlapped else sum(
         cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
     return StepPrediction(micro_batches=micro_batches, overlapped=overlapped,
-                          micro_batch_s=each, last_micro_batch_s=last, optimizer_s=optimizer)
+                          micro_batch_s=each.step_s, last_micro_batch_s=last,
+                          optimizer_s=optimizer, exposed_transfer_s=each.exposed_transfer_s,
+                          host_wait_s=each.host_wait_s)
 
 
 def host_inputs(graphs: StormGraphs) -> set[fx.Node]:

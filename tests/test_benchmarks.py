@@ -169,7 +169,10 @@ def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     rows = results["throughput"]
     assert [r["method"] for r in rows] == ["compile", "storm", "storm-overlap"]
     assert all(r["tokens_per_s"] > 0 and r["micro_batches"] == 2 for r in rows)
-    assert "pred_tokens_per_s" in rows[1]
+    for row in rows[1:]:
+        assert row["pred_tokens_per_s"] > 0 and row["pred_exposed_ms"] >= 0
+        assert row["pred_host_ms"] > 0, "the host adds every gradient and steps every weight"
+    assert rows[2]["pred_host_ms"] <= rows[1]["pred_host_ms"], "overlapped, the step waits less"
     assert "tokens/s" in (tmp_path / "results.md").read_text()
 
 

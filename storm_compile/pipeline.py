@@ -124,8 +124,8 @@ PEAK_ROUNDS = 5
 recomputed, which weights are kept, how much is prefetched ahead), so round ``k`` aims the
 activations at the last plan's less its excess over the budget times ``2**k`` (never below
 their minimum) and lowers ``prefetch_window_bytes`` to at most what the last peak held besides
-activations, less the same amount, and halves it once the activations are at their minimum:
-plans that fit settle in one to three rounds."""
+activations, less the same amount, and halves it once the activations are at their minimum.
+Each round plans the graph once more: only a graph over its budget pays for them."""
 
 
 def _recompute_tags(joint: JointGraph) -> dict[str, object]:

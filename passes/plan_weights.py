@@ -2,23 +2,18 @@
 
 Assumes: ``plan_memory`` decided every saved storage and ``graphs.plan`` holds the activation
 target; the forward reads each streamed weight (a host graph input) through
-``storm.fetch_weight``.
+``storm.fetch_weight``; ``ctx.resident_room`` is what the byte budget left above the predicted
+device peak of this graph's plan without resident weights (the pipeline measures it on that
+plan, placed and rewritten, and plans again with it).
 Guarantees: ``graphs.storages.resident`` lists the streamed weights kept on the device, chosen
 only under a byte ``memory_budget``, in the forward's order of first read (the earliest copies
 have the least compute before them to hide under, and the first of all, an embedding's, none),
-each one that still fits in the smaller of two rooms:
-
-* what the budget leaves once the device's weights
-  (:class:`~storm_compile.streaming.DeviceWeights`), the step's planned activations and the
-  other graphs' resident weights are paid (:meth:`StepBudget.left_bytes`);
-* what it leaves above this graph's predicted device peak: its device weights (prefetch window
-  included) and the simulated peak of the graphs as split, before any copy is placed. A weight
-  kept on the device raises the peak by its bytes, and the backward's peak is often above
-  what the forward holds at its end.
-
-A resident weight is copied once per optimizer step instead of twice per micro-batch. Without
-a byte budget nothing changes; a second run finds no ``fetch_weight`` left of a resident
-weight and changes nothing (idempotent).
+each one that still fits in the smaller of ``ctx.resident_room`` and what the budget leaves once
+the step's planned activations and resident weights, and this graph's resident inputs, are
+paid (:meth:`StepBudget.left_bytes`). A weight kept on the device is held there once, and
+cloned while a graph reads it. A resident weight is copied once per optimizer step instead of
+twice per micro-batch. With no room nothing changes; a second run finds no ``fetch_weight`` left
+of a resident weight and changes nothing (idempotent).
 Emits: no nodes; ``insert_transfers`` reads the list, and the step's ledger records the bytes.
 """
 
@@ -29,7 +24,6 @@ import dataclasses
 from storm_compile import ops
 from storm_compile.graphs import PassContext, StormGraphs
 from storm_compile.plan import ResidentWeight
-from storm_compile.simulate import simulate
 from storm_compile.streaming import device_weights
 from storm_compile.vocabulary import tensor_bytes
 
@@ -39,10 +33,10 @@ def plan_weights(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     if not isinstance(budget, int) or plan.resident:
         return graphs
     weights = device_weights(graphs.forward, ctx.config.prefetch_window_bytes)
-    if weights is None:
+    if weights is None or ctx.resident_room <= 0:
         return graphs
-    peak = weights.nbytes + simulate(graphs, ctx.cost).peak_bytes
-    room = min(ctx.step.left_bytes(ctx.graph, budget - weights.nbytes), budget - peak)
+    room = min(ctx.step.left_bytes(ctx.graph, budget - weights.resident_bytes),
+               ctx.resident_room)
     resident = []
     fetches = graphs.forward.graph.find_nodes(op="call_function", target=ops.fetch_weight)
     for weight in dict.fromkeys(f.args[0] for f in fetches):

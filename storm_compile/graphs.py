@@ -73,6 +73,9 @@ class PassContext:
     """The step's other graphs and what they planned (budgets are the step's)."""
     graph: GraphId = (NO_FRAME, 0, 0)
     """Which graph of the step the passes are planning."""
+    resident_room: int = 0
+    """Device bytes ``plan_weights`` may fill with streamed weights kept there: what a byte
+    budget left above the predicted device peak of the graph's plan without them (0: none)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from torch import fx
 
+from storm_compile.config import StormConfig
 from storm_compile.graphs import JointGraph, PassContext, PassRecord, StormGraphs
 from storm_compile.passes import (
     annotate_costs,
@@ -30,11 +31,12 @@ from storm_compile.passes import (
 from storm_compile.passes.rematerialize import RecomputeRejectedError
 from storm_compile.passes.verify import StormVerificationError
 from storm_compile.plan import Action
+from storm_compile.prediction import NodeTiming, Prediction
 from storm_compile.ranks import check_ranks_agree
-from storm_compile.simulate import device_bytes, simulate
+from storm_compile.simulate import device_bytes, host_inputs, simulate
 from storm_compile.step_budget import StormBudgetError
 from storm_compile.streaming import device_weights, refetch_in_backward, sum_gradients_on_device
-from storm_compile.vocabulary import GIB, RECOMPUTE_TAG
+from storm_compile.vocabulary import GIB, RECOMPUTE_TAG, tensor_bytes
 
 log = logging.getLogger("storm_compile")
 
@@ -121,11 +123,17 @@ def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
 PEAK_ROUNDS = 5
 """Plans a streamed graph gets after its first when its predicted device peak is over a byte
 ``memory_budget``. The backward's peak above the saved activations moves with the plan (what is
-recomputed, which weights are kept, how much is prefetched ahead), so round ``k`` aims the
-activations at the last plan's less its excess over the budget times ``2**k`` (never below
-their minimum) and lowers ``prefetch_window_bytes`` to at most what the last peak held besides
-activations, less the same amount, and halves it once the activations are at their minimum.
-Each round plans the graph once more: only a graph over its budget pays for them."""
+recomputed, how much is prefetched ahead), so round ``k`` aims the activations at the last
+plan's less its excess over the budget times ``2**k`` (never below their minimum) and lowers
+``prefetch_window_bytes`` to at most what the last peak held besides activations, less the same
+amount, and halves it once the activations are at their minimum. Each round plans the graph
+once more: only a graph over its budget pays for them."""
+
+RESIDENT_ROUNDS = 3
+"""Plans a streamed graph gets to keep weights on the device with the room its fitting plan
+left under a byte budget: a weight kept there is also cloned while it is read, and stops being
+prefetched, so the first try can land over the budget; each next try has the room less that
+excess times ``2**k``, and after the last the plan without resident weights stands."""
 
 
 def _recompute_tags(joint: JointGraph) -> dict[str, object]:
@@ -144,56 +152,86 @@ def _retag(joint: JointGraph, tags: dict[str, object]) -> None:
             node.meta.pop(RECOMPUTE_TAG, None)
 
 
+def _replan(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext) -> StormGraphs:
+    """:func:`run_passes` on a fresh split of ``graphs``' joint graph, with its capture's
+    recompute ``tags``."""
+    _retag(graphs.joint, tags)
+    forward, backward = graphs.joint.split()
+    return run_passes(StormGraphs(forward, backward, graphs.num_fwd_outputs, joint=graphs.joint,
+                                  records=graphs.records), ctx)
+
+
+def _peak(graphs: StormGraphs, ctx: PassContext) -> tuple[int, Prediction]:
+    prediction = simulate(graphs, ctx.cost)
+    return device_bytes(graphs, prediction), prediction
+
+
 def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     """:func:`run_passes`; then, for a graph that streams weights under a byte
-    ``memory_budget``, which bounds the device's weights and activations at the step's peak,
-    plan again from a fresh split with the budget lowered further each time the predicted device
-    peak (:func:`~storm_compile.simulate.device_bytes`) is over it, at most :data:`PEAK_ROUNDS`
-    times (the step's ledger keeps the last plan's share). Raises :class:`StormBudgetError` when
-    no plan's peak fits, stating the least peak seen and where it is."""
-    joint, budget = graphs.joint, ctx.config.memory_budget
-    tags = _recompute_tags(joint)
-    window = ctx.config.prefetch_window_bytes
+    ``memory_budget``, which bounds the device's weights and activations at the step's peak:
+
+    1. while the predicted device peak (:func:`~storm_compile.simulate.device_bytes`) is over
+       the budget, plan again from a fresh split with fewer activations and a smaller prefetch
+       window, at most :data:`PEAK_ROUNDS` times; raise :class:`StormBudgetError` stating the
+       least peak seen and where it is when none fits;
+    2. plan again with the room the fitting plan left (``PassContext.resident_room``) for
+       ``plan_weights`` to keep weights on the device, at most :data:`RESIDENT_ROUNDS` times,
+       keeping the first such plan whose peak fits, else the fitting plan without them.
+
+    The step's ledger keeps the returned plan's share."""
+    tags, asked = _recompute_tags(graphs.joint), ctx.config
+    budget, window = asked.memory_budget, asked.prefetch_window_bytes
     weights = device_weights(graphs.forward, window)
     planned = run_passes(graphs, ctx)
     if not isinstance(budget, int) or weights is None or planned.plan.target_bytes is None:
         return planned
     lowered, least = budget, None
     for round_ in range(PEAK_ROUNDS + 1):
-        prediction = simulate(planned, ctx.cost)
-        peak = device_bytes(planned, prediction)
+        peak, prediction = _peak(planned, ctx)
         if peak <= budget:
-            return planned
+            break
         if least is None or peak < least[0]:
             least = (peak, max(prediction.timings, key=lambda t: t.memory_after))
         if round_ == PEAK_ROUNDS:
-            break
+            raise _over_budget(budget, least, asked)
         excess = (peak - budget) * 2**round_
         target = max(planned.plan.minimum_bytes, prediction.activation_bytes - excess)
         window = max(0, min(window, peak - prediction.activation_bytes) - excess)
         if target == prediction.activation_bytes:
             window //= 2
-        _retag(joint, tags)
-        forward, backward = joint.split()
-        fresh = StormGraphs(forward, backward, graphs.num_fwd_outputs, joint=joint,
-                            records=graphs.records)
-        now = device_weights(forward, window)
+        now = device_weights(graphs.forward, window)
         lowered -= planned.plan.target_bytes - target + weights.nbytes - now.nbytes
         weights = now
-        tighter = dataclasses.replace(ctx, config=dataclasses.replace(
+        ctx = dataclasses.replace(ctx, config=dataclasses.replace(
             ctx.config, memory_budget=lowered, prefetch_window_bytes=window))
         try:
-            planned = run_passes(fresh, tighter)
+            planned = _replan(graphs, tags, ctx)
         except StormBudgetError:
+            raise _over_budget(budget, least, asked) from None
+    share, room = ctx.step.share(ctx.graph), budget - peak
+    smallest = min(tensor_bytes(w.meta.get("val")) for w in host_inputs(planned))
+    for round_ in range(RESIDENT_ROUNDS if room >= smallest else 0):
+        kept = _replan(graphs, tags, dataclasses.replace(ctx, resident_room=room))
+        if not kept.storages.resident:
             break
+        peak, _ = _peak(kept, ctx)
+        if peak <= budget:
+            return kept
+        room -= (peak - budget) * 2**round_
+    ctx.step.record(ctx.graph, share)
+    return planned
+
+
+def _over_budget(budget: int, least: tuple[int, NodeTiming], asked: StormConfig
+                 ) -> StormBudgetError:
     peak, at = least
-    raise StormBudgetError(
+    return StormBudgetError(
         f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the device memory "
         f"this streamed graph needs at its peak: of the plans storm tried, with up to every "
         f"activation that may move offloaded or recomputed, the least predicted peak is {peak} "
         f"bytes ({peak / GIB:.3f} GiB), at {at.node} of the "
         f"{'backward' if at.graph == 'bw' else 'forward'}. Raise memory_budget, lower "
-        f"prefetch_window_bytes ({ctx.config.prefetch_window_bytes} bytes of streamed weights "
+        f"prefetch_window_bytes ({asked.prefetch_window_bytes} bytes of streamed weights "
         f"may be copied ahead), or use fewer tokens per micro-batch")
 
 

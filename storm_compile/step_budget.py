@@ -135,6 +135,10 @@ class StepBudget:
     def record(self, graph: GraphId, share: GraphShare) -> None:
         self._shares[graph] = share
 
+    def share(self, graph: GraphId) -> GraphShare:
+        """What this graph's last plan recorded."""
+        return self._shares[graph]
+
     def _warn_over(self, excess: int) -> None:
         if self._warned:
             return

@@ -499,12 +499,11 @@ def test_overlapped_optimizer_steps_like_the_optimizer(backend):
 
 
 def _budget_with_room(room: int) -> int:
-    """A byte budget that pays for the device's weights and the unplanned activations of the
-    streamed tiny Llama, and for its predicted device peak, and leaves ``room`` bytes."""
-    graphs, config = _streamed_graphs()
-    weights = streaming.device_weights(graphs.forward, config.prefetch_window_bytes)
-    baseline = graphs.plan.baseline
-    return weights.nbytes + max(baseline.activation_bytes, baseline.peak_bytes) + room
+    """A byte budget ``room`` bytes above the predicted device peak of the streamed tiny
+    Llama's plan with every activation kept (a fraction budget of 1.0 keeps weights streamed)."""
+    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=1.0)
+    assert not graphs.storages.resident
+    return device_bytes(graphs, simulate(graphs, cost_model())) + room
 
 
 def _weights_in_read_order(graphs) -> list[fx.Node]:
@@ -522,18 +521,30 @@ def _weights_in_read_order(graphs) -> list[fx.Node]:
 def test_room_left_by_a_byte_budget_keeps_the_earliest_read_weights_on_the_device():
     plain, _ = _streamed_graphs()
     assert plain.storages.resident == () and not nodes(plain.forward, ops.resident_weight)
-    first, second = _weights_in_read_order(plain)[:2]
-    room = tensor_bytes(first.meta["val"])
-    budget = _budget_with_room(room)
+    order = _weights_in_read_order(plain)
+    budget = _budget_with_room(2 * tensor_bytes(order[0].meta["val"]))
     graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
-    assert [w.name for w in graphs.storages.resident] == [first.name]
+    kept = [w.name for w in graphs.storages.resident]
+    names = [w.name for w in order]
+    assert kept and kept[0] == names[0] and len(kept) < len(names)
+    assert kept == [n for n in names if n in kept], "chosen in the order of first read"
     prediction = simulate(graphs, cost_model())
     assert summary(graphs, prediction, "cpu-test")["device_bytes"] <= budget
-    assert {n.args[0].name for n in nodes(graphs.forward, ops.resident_weight)} == {first.name}
     for gm in (graphs.forward, graphs.backward):
-        assert {n.args[0].name for n in nodes(gm, ops.resident_weight)} <= {first.name}
-        assert first.name not in {n.args[0].name for n in nodes(gm, ops.prefetch)}
-    assert second.name in {n.args[0].name for n in nodes(graphs.forward, ops.prefetch)}
+        assert {n.args[0].name for n in nodes(gm, ops.resident_weight)} <= set(kept)
+        assert not set(kept) & {n.args[0].name for n in nodes(gm, ops.prefetch)}
+    assert {n.args[0].name for n in nodes(graphs.forward, ops.prefetch)} == set(names) - set(kept)
+
+
+def test_more_room_keeps_more_weights_and_never_passes_the_budget():
+    streamed = len(_weights_in_read_order(_streamed_graphs()[0]))
+    counts = []
+    for room in (0, 1 << 18, 1 << 30):
+        budget = _budget_with_room(room)
+        graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+        assert device_bytes(graphs, simulate(graphs, cost_model())) <= budget
+        counts.append(len(graphs.storages.resident))
+    assert counts == sorted(counts) and counts[0] < counts[-1] == streamed
 
 
 def test_resident_weights_rewrite_is_idempotent():

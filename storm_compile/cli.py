@@ -469,9 +469,9 @@ def _throughput(args: argparse.Namespace) -> int:
         raise UsageError(f"--micro-batches {args.micro_batches}: expected comma-separated "
                          f"positive integers")
     budget = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
-    ctx = _context(args, **budget)
     rows = []
     for tokens in counts:
+        ctx = _context(args, **budget)               # each size is a step of its own
         graphs = plan_model(args.model, ctx, stream=args.stream,
                             **{**shape, "batch": tokens // base.seq})
         summary = annotate(graphs, ctx.cost, tokens=tokens)["summary"]

@@ -34,7 +34,7 @@ from storm_compile.plan import Action
 from storm_compile.prediction import NodeTiming, Prediction
 from storm_compile.ranks import check_ranks_agree
 from storm_compile.simulate import device_bytes, host_inputs, simulate
-from storm_compile.step_budget import StormBudgetError
+from storm_compile.step_budget import GraphShare, StormBudgetError
 from storm_compile.streaming import device_weights, refetch_in_backward, sum_gradients_on_device
 from storm_compile.vocabulary import GIB, RECOMPUTE_TAG, tensor_bytes
 
@@ -175,8 +175,10 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
        window, at most :data:`PEAK_ROUNDS` times; raise :class:`StormBudgetError` stating the
        least peak seen and where it is when none fits;
     2. plan again with the room the fitting plan left (``PassContext.resident_room``) for
-       ``plan_weights`` to keep weights on the device, at most :data:`RESIDENT_ROUNDS` times,
-       keeping the first such plan whose peak fits, else the fitting plan without them.
+       ``plan_weights`` to keep weights on the device (:func:`_with_residents`), and, unless
+       that kept every streamed weight, once more from a plan whose activation target is lower
+       by up to the streamed weights' bytes (activations traded for weights kept): of the
+       fitting plan and those whose peak fits, the one with the fastest predicted step.
 
     The step's ledger keeps the returned plan's share."""
     tags, asked = _recompute_tags(graphs.joint), ctx.config
@@ -208,18 +210,44 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             planned = _replan(graphs, tags, ctx)
         except StormBudgetError:
             raise _over_budget(budget, least, asked) from None
-    share, room = ctx.step.share(ctx.graph), budget - peak
-    smallest = min(tensor_bytes(w.meta.get("val")) for w in host_inputs(planned))
+    best = (_peak(planned, ctx)[1].step_s, planned, ctx.step.share(ctx.graph))
+    kept = _with_residents(graphs, tags, ctx, budget, planned, budget - peak)
+    if kept is not None:
+        best = min(best, kept, key=lambda plan: plan[0])
+    streamed = sum(tensor_bytes(w.meta.get("val")) for w in host_inputs(planned))
+    freed = min(streamed, planned.plan.target_bytes - planned.plan.minimum_bytes)
+    if freed > 0 and (kept is None
+                      or sum(w.nbytes for w in kept[1].storages.resident) < streamed):
+        fewer = dataclasses.replace(ctx, config=dataclasses.replace(
+            ctx.config, memory_budget=ctx.config.memory_budget - freed))
+        traded = _replan(graphs, tags, fewer)
+        peak, _ = _peak(traded, fewer)
+        if peak <= budget:
+            kept = _with_residents(graphs, tags, fewer, budget, traded, budget - peak)
+            if kept is not None:
+                best = min(best, kept, key=lambda plan: plan[0])
+    _, chosen, share = best
+    ctx.step.record(ctx.graph, share)
+    return chosen
+
+
+def _with_residents(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
+                    budget: int, fitting: StormGraphs, room: int
+                    ) -> tuple[float, StormGraphs, GraphShare] | None:
+    """The graph planned again with ``room`` for weights kept on the device
+    (``PassContext.resident_room``) above ``fitting``, a plan whose peak fits the budget: the
+    first of :data:`RESIDENT_ROUNDS` tries whose peak fits ``budget`` too, with its predicted
+    step and ledger share; None when no weight fits or no try does."""
+    smallest = min(tensor_bytes(w.meta.get("val")) for w in host_inputs(fitting))
     for round_ in range(RESIDENT_ROUNDS if room >= smallest else 0):
         kept = _replan(graphs, tags, dataclasses.replace(ctx, resident_room=room))
         if not kept.storages.resident:
-            break
-        peak, _ = _peak(kept, ctx)
+            return None
+        peak, prediction = _peak(kept, ctx)
         if peak <= budget:
-            return kept
+            return prediction.step_s, kept, ctx.step.share(ctx.graph)
         room -= (peak - budget) * 2**round_
-    ctx.step.record(ctx.graph, share)
-    return planned
+    return None
 
 
 def _over_budget(budget: int, least: tuple[int, NodeTiming], asked: StormConfig

@@ -586,6 +586,15 @@ def test_throughput_plans_each_micro_batch_size(capsys):
             row["tokens"] / row["optimizer_step_ms"] * 1e3)
 
 
+def test_throughput_plans_each_size_as_a_step_of_its_own(capsys):
+    budget = ["--memory-budget", "1GiB", "--format", "json"]
+    assert main(["throughput", *STREAMED_LLAMA, "--tokens", "256,512", *budget]) == 0
+    together = json.loads(capsys.readouterr().out)[1]
+    assert main(["throughput", *STREAMED_LLAMA, "--tokens", "512", *budget]) == 0
+    (alone,) = json.loads(capsys.readouterr().out)
+    assert together == alone
+
+
 def test_throughput_over_micro_batches_spreads_the_host_optimizer(capsys):
     argv = ["throughput", *STREAMED_LLAMA, "--tokens", "256", "--micro-batches", "1,4",
             "--format", "json"]

@@ -210,7 +210,7 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             planned = _replan(graphs, tags, ctx)
         except StormBudgetError:
             raise _over_budget(budget, least, asked) from None
-    best = (_peak(planned, ctx)[1].step_s, planned, ctx.step.share(ctx.graph))
+    best = (prediction.step_s, planned, ctx.step.share(ctx.graph))
     kept = _with_residents(graphs, tags, ctx, budget, planned, budget - peak)
     if kept is not None:
         best = min(best, kept, key=lambda plan: plan[0])
@@ -220,15 +220,27 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                       or sum(w.nbytes for w in kept[1].storages.resident) < streamed):
         fewer = dataclasses.replace(ctx, config=dataclasses.replace(
             ctx.config, memory_budget=ctx.config.memory_budget - freed))
-        traded = _replan(graphs, tags, fewer)
-        peak, _ = _peak(traded, fewer)
-        if peak <= budget:
-            kept = _with_residents(graphs, tags, fewer, budget, traded, budget - peak)
-            if kept is not None:
-                best = min(best, kept, key=lambda plan: plan[0])
+        kept = _traded(graphs, tags, fewer, budget)
+        if kept is not None:
+            best = min(best, kept, key=lambda plan: plan[0])
     _, chosen, share = best
     ctx.step.record(ctx.graph, share)
     return chosen
+
+
+def _traded(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext, budget: int
+            ) -> tuple[float, StormGraphs, GraphShare] | None:
+    """The graph planned with ``ctx``'s lower activation target, then with the room that plan
+    leaves for weights kept on the device (:func:`_with_residents`); None when the step's
+    ledger refuses the lower target, its peak does not fit ``budget`` or no weight is kept."""
+    try:
+        traded = _replan(graphs, tags, ctx)
+    except StormBudgetError:
+        return None
+    peak, _ = _peak(traded, ctx)
+    if peak > budget:
+        return None
+    return _with_residents(graphs, tags, ctx, budget, traded, budget - peak)
 
 
 def _with_residents(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,

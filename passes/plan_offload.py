@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Container
 
 import torch
 from torch import fx
@@ -33,7 +34,7 @@ from storm_compile.graphs import (
     COST_KEY,
     PassContext,
     StormGraphs,
-    backward_placeholder,
+    backward_inputs,
     first_backward_read,
     model_outputs,
     saved_values,
@@ -57,7 +58,7 @@ from storm_compile.vocabulary import (
 )
 
 
-def _replayable(member: fx.Node, saved: set[fx.Node]) -> bool:
+def _replayable(member: fx.Node, saved: Container[fx.Node]) -> bool:
     """Whether the member's view chain uses nothing but the storage, constants and symbolic
     sizes that are themselves saved for the backward (so the backward has them as inputs)."""
     for view in view_chain(member):
@@ -74,8 +75,8 @@ def _higher_order_output(root: fx.Node) -> bool:
     return isinstance(getattr(source, "target", None), HigherOrderOperator)
 
 
-def _eligibility(root: fx.Node, members: list[fx.Node], graphs: StormGraphs,
-                 ctx: PassContext, visible_roots: set[fx.Node]) -> Eligibility:
+def _eligibility(root: fx.Node, members: list[fx.Node], ctx: PassContext,
+                 visible_roots: set[fx.Node], inputs: dict[fx.Node, fx.Node]) -> Eligibility:
     """Whether the storage owned by ``root`` may leave its device, or the rule that keeps it."""
     val = root.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -96,9 +97,9 @@ def _eligibility(root: fx.Node, members: list[fx.Node], graphs: StormGraphs,
         return Eligibility(Rule.NOT_DENSE)
     if root.meta[COST_KEY].output_bytes < ctx.config.min_offload_bytes:
         return Eligibility(Rule.BELOW_MIN_BYTES, ctx.config.min_offload_bytes)
-    if not any(backward_placeholder(graphs, m).users for m in members):
+    if not any(inputs[m].users for m in members):
         return Eligibility(Rule.NOT_READ)
-    if not all(_replayable(m, set(saved_values(graphs))) for m in members):
+    if not all(_replayable(m, inputs) for m in members):
         return Eligibility(Rule.VIEW_DEPENDS)
     return MOVABLE
 
@@ -108,14 +109,14 @@ def plan_offload(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in saved_values(graphs):
         groups.setdefault(storage_owner(node), []).append(node)
-    order = node_order(graphs.backward)
+    order, inputs = node_order(graphs.backward), backward_inputs(graphs)
     storages, decisions = [], {}
     for root, members in groups.items():
-        eligibility = _eligibility(root, members, graphs, ctx, visible_roots)
+        eligibility = _eligibility(root, members, ctx, visible_roots, inputs)
         cost = root.meta.get(COST_KEY)
         storages.append(Storage(
             root=root, members=tuple(members), nbytes=cost.output_bytes if cost else 0,
-            first_read=first_backward_read(graphs, members, order)
+            first_read=first_backward_read(inputs, members, order)
             if eligibility.movable else None,
             eligibility=eligibility))
         decisions[root] = Decision(Action.OFFLOAD if eligibility.movable else Action.KEEP,

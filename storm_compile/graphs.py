@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -13,7 +14,7 @@ from storm_compile.config import StormConfig
 from storm_compile.cost_model import CostModel
 from storm_compile.plan import MemoryPlan, StoragePlan
 from storm_compile.step_budget import NO_FRAME, GraphId, StepBudget
-from storm_compile.vocabulary import view_closure
+from storm_compile.vocabulary import RECOMPUTE_TAG, view_closure
 
 COST_KEY = "storm_cost"
 """``node.meta`` key of the :class:`NodeCost` written by ``annotate_costs``."""
@@ -26,11 +27,29 @@ class JointGraph:
     module: fx.GraphModule
     inputs: Any
     partition_kwargs: dict[str, Any]
+    _splits: dict[frozenset, tuple[fx.GraphModule, fx.GraphModule]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """The partitioner's split for each set of recompute tags it was asked with."""
 
     def split(self) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Partition as ``torch.compile`` does (min-cut), honouring recompute tags on nodes."""
-        return min_cut_rematerialization_partition(self.module, self.inputs,
-                                                   **self.partition_kwargs)
+        """Partition as ``torch.compile`` does (min-cut), honouring recompute tags on nodes.
+
+        The partitioner's split is a function of the joint graph and its tags, and a large
+        graph's takes seconds, so it runs once per set of tags; each call returns copies the
+        passes may rewrite (their nodes' ``meta`` dicts copied, the values in them shared)."""
+        tags = frozenset((n.name, n.meta[RECOMPUTE_TAG]) for n in self.module.graph.nodes
+                         if RECOMPUTE_TAG in n.meta)
+        if tags not in self._splits:
+            self._splits[tags] = min_cut_rematerialization_partition(
+                self.module, self.inputs, **self.partition_kwargs)
+        forward, backward = self._splits[tags]
+        return _copy_module(forward), _copy_module(backward)
+
+
+def _copy_module(module: fx.GraphModule) -> fx.GraphModule:
+    copied = fx.GraphModule(module, copy.deepcopy(module.graph), module.__class__.__name__)
+    copied.meta.update(module.meta)
+    return copied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +68,7 @@ class StormGraphs:
 
     The forward returns ``num_fwd_outputs`` user-visible values (outputs, mutated inputs) followed
     by the values saved for the backward; the backward takes each saved value as an input
-    (:func:`backward_placeholder` finds it). ``joint`` lets a pass split again.
+    (:func:`backward_inputs` maps them). ``joint`` lets a pass split again.
     """
 
     forward: fx.GraphModule
@@ -127,14 +146,10 @@ def backward_inputs(graphs: StormGraphs) -> dict[fx.Node, fx.Node]:
     return dict(zip(ordered, inputs))
 
 
-def backward_placeholder(graphs: StormGraphs, saved: fx.Node) -> fx.Node:
-    """The backward input that receives the saved forward value ``saved``."""
-    return backward_inputs(graphs)[saved]
-
-
-def first_backward_read(graphs: StormGraphs, saved: list[fx.Node],
+def first_backward_read(inputs: dict[fx.Node, fx.Node], saved: list[fx.Node],
                         order: dict[fx.Node, int]) -> fx.Node:
     """The first backward node (by ``order``) that reads the data of any forward value in
-    ``saved``: views of the backward inputs do not count, the nodes reading through them do."""
-    return min((r for m in saved for r in view_closure(backward_placeholder(graphs, m), order)[1]),
+    ``saved``, given the :func:`backward_inputs` that receive them: views of the backward
+    inputs do not count, the nodes reading through them do."""
+    return min((r for m in saved for r in view_closure(inputs[m], order)[1]),
                key=order.__getitem__)

@@ -23,6 +23,8 @@ Two parts, both optional:
   step in ``--micro-batches``, ``--steps`` timed optimizer steps after one untimed one: tokens/s,
   achieved TFLOP/s (model FLOPs: 6 per parameter per token plus causal attention's
   6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory,
+  the seconds the method's setup (model, streaming, optimizer) and its first, compiling, step
+  took,
   and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches'
   forward and backward, the host thread's additions and the host AdamW, overlapped or after,
   as :func:`storm_compile.simulate.predict_step` predicts it) with where it predicts the step
@@ -252,9 +254,15 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
                     cuda: bool) -> dict:
     row = {"method": method, "tokens": shape.batch * shape.seq, "micro_batches": micro_batches}
     try:
+        begin = time.perf_counter()
         run = BUILDERS[method](shape, args, cuda)
+        built = time.perf_counter()
         batches = _batches(shape, micro_batches, args.device)
         run.step(batches)
+        row.update(build_s=built - begin, first_step_s=time.perf_counter() - built)
+        print(f"{method}, {row['tokens']} tokens × {micro_batches}: model built in "
+              f"{row['build_s']:.1f} s, first step (compiling) {row['first_step_s']:.1f} s",
+              flush=True)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         step_s, optimizer_s = [], []
@@ -310,12 +318,14 @@ def markdown(results: dict) -> str:
                      f"{row['pred_tokens_per_s']:.0f} ({row['pred_error']:+.0%})"
                      if "pred_tokens_per_s" in row else "",
                      f"{row['pred_exposed_ms']:.0f} / {row['pred_host_ms']:.0f}"
-                     if "pred_tokens_per_s" in row else ""])
+                     if "pred_tokens_per_s" in row else "",
+                     f"{row['build_s']:.0f} / {row['first_step_s']:.0f}"])
     if rows:
         parts.append(tabulate(rows, headers=["method", "tokens/µbatch", "µbatches", "tokens/s",
                                              f"× {REFERENCE}", "TFLOP/s", "optimizer ms",
                                              "peak GiB", "predicted tokens/s",
-                                             "predicted copy / host waits ms"],
+                                             "predicted copy / host waits ms",
+                                             "build / first step s"],
                               tablefmt="github"))
     return "\n\n".join(parts) + "\n"
 

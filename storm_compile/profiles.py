@@ -94,14 +94,16 @@ STREAMED_3B_8_LAYER_BYTES = 2_398_617_600
 
 HOST_ADAMW_BANDWIDTH = STREAMED_3B_8_LAYER_BYTES / 0.183
 """Fused AdamW on the H100 machine's host (16 cores) stepped those parameters in a median
-183 ms (benchmarks/RESULTS.md, one micro-batch of 4096 tokens): 13.1 GB/s of parameter bytes.
-Like ``TRANSFER_HOST_S``, a figure of the host, not of the GPU: calibrate yours."""
+183 ms (benchmarks/RESULTS.md, one micro-batch of 4096 tokens): 13.1 GB/s of parameter bytes;
+``storm calibrate`` there (bf16) measured 13.3 GB/s. Like ``TRANSFER_HOST_S``, a figure of the
+host, not of the GPU: calibrate yours."""
 
 HOST_ADD_BANDWIDTH = STREAMED_3B_8_LAYER_BYTES / 0.065
 """The same run with four micro-batches spent up to 65 ms per micro-batch after the first
 adding those parameters' gradients into ``.grad`` on the host (its step time less four forward
 and backward passes and the optimizer): 36.9 GB/s of gradient bytes, the slower end of the
-50-65 ms seen. A figure of the host: calibrate yours."""
+50-65 ms seen; ``storm calibrate`` there (bf16) measured 38.7 GB/s. A figure of the host:
+calibrate yours."""
 
 HOST_RATES = {"host_add_bandwidth": HOST_ADD_BANDWIDTH,
               "host_adamw_bandwidth": HOST_ADAMW_BANDWIDTH}

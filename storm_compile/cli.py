@@ -228,9 +228,24 @@ class _TupleOutput(nn.Module):
         super().__init__()
         self.model = model
         self.name = name
+        names: dict[int, list[str]] = {}
+        for param_name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(param_name)
+        self.tied = tuple(tuple(group) for group in names.values() if len(group) > 1)
+        """The names of each parameter the model registers under several, first name first."""
 
     def forward(self, *inputs):
-        return differentiated(self.model(*inputs), self.name)
+        """AOTAutograd swaps in its graph input for each parameter's first name only; a weight
+        registered under several (a tied embedding) is read through all of them as that input,
+        as it is under torch.compile, so each use's gradient reaches it."""
+        if not self.tied:
+            return differentiated(self.model(*inputs), self.name)
+        swapped = {}
+        for first, *others in self.tied:
+            owner, _, leaf = first.rpartition(".")
+            swapped.update(dict.fromkeys(others, getattr(self.model.get_submodule(owner), leaf)))
+        return differentiated(torch.func.functional_call(self.model, swapped, inputs,
+                                                         tie_weights=False), self.name)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True):

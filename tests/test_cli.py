@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.activation_memory import CONFIGS, QUICK_CONFIG
-from storm_compile import cli
+from storm_compile import cli, ops
 from storm_compile.cli import EXIT_USAGE, main
 from storm_compile.backend import StormBackend
 from storm_compile.config import GIB, StormConfig, StormOptionError
@@ -586,8 +586,26 @@ def test_throughput_plans_each_micro_batch_size(capsys):
             row["tokens"] / row["optimizer_step_ms"] * 1e3)
 
 
+def test_a_tied_weight_gets_the_gradients_of_all_its_uses():
+    """Traced once, the tied embedding's gradient sent home is the sum of the embedding's and
+    the output projection's, as under torch.compile."""
+    graphs = cli.plan_model("llama", cli.planning_context(), stream=True, preset="1b", layers=1,
+                            seq=256)
+    vocab = LLAMA_PRESETS["1b"].vocab
+    (sent,) = [n for n in graphs.backward.graph.nodes if n.target is ops.send_grad
+               and n.meta["val"].shape[0] == vocab]
+    total = sent.args[0]
+    assert total.target is torch.ops.aten.add.Tensor
+    uses = []
+    for use in total.args:
+        while use.target is torch.ops.aten.t.default:
+            use = use.args[0]
+        uses.append(str(use.target))
+    assert sorted(uses) == ["aten.embedding_dense_backward.default", "aten.mm.default"]
+
+
 def test_throughput_plans_each_size_as_a_step_of_its_own(capsys):
-    budget = ["--memory-budget", "1GiB", "--format", "json"]
+    budget = ["--memory-budget", "2GiB", "--format", "json"]
     assert main(["throughput", *STREAMED_LLAMA, "--tokens", "256,512", *budget]) == 0
     together = json.loads(capsys.readouterr().out)[1]
     assert main(["throughput", *STREAMED_LLAMA, "--tokens", "512", *budget]) == 0

@@ -28,7 +28,8 @@ Two parts, both optional:
   and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches'
   forward and backward, the host thread's additions and the host AdamW, overlapped or after,
   as :func:`storm_compile.simulate.predict_step` predicts it) with where it predicts the step
-  waits: on copies (exposed transfers) and on the host (additions and optimizer).
+  waits: on copies (exposed transfers) and on the host (additions and optimizer), and in
+  ``results.json`` the ops it predicts the most compute time for.
 
     python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
         [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]
@@ -41,6 +42,7 @@ Writes ``results.json`` and ``results.md`` after every row.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -62,7 +64,7 @@ from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
 from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
-from storm_compile.graphs import StormGraphs
+from storm_compile.graphs import COST_KEY, StormGraphs
 from storm_compile.models import LLAMA_PRESETS, LlamaShape, Llama
 from storm_compile.prediction import StepPrediction
 from storm_compile.simulate import predict_step
@@ -73,6 +75,9 @@ from storm_compile.streaming import (
 )
 from storm_compile.vocabulary import GIB, MS
 
+OPS_REPORTED = 12
+"""The ops with the most predicted compute time a storm row lists in results.json: enough to see
+which op a prediction gets wrong when it is set beside a profile of the run."""
 REFERENCE = "compile"
 METHODS = ("compile", "storm", "storm-overlap", "fsdp2-offload")
 LEARNING_RATE = 3e-4
@@ -100,6 +105,9 @@ class _Run:
     predicted: Callable[[int], StepPrediction | None]
     """The prediction of an optimizer step of that many micro-batches (all graphs of the step
     summed); None if unpredicted."""
+    op_ms: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Predicted milliseconds of one micro-batch's forward and backward on the compute stream,
+    by op, over the graphs the method compiled (empty when unpredicted)."""
 
 
 def _model(shape: LlamaShape) -> nn.Module:
@@ -156,10 +164,15 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
     if not cuda:
         options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
     predicted: list[StepPrediction] = []
+    op_ms: collections.Counter = collections.Counter()
 
     def observe(graphs: StormGraphs) -> None:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
         predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap))
+        for module in (graphs.forward, graphs.backward):
+            for node in module.graph.nodes:
+                if node.op == "call_function" and COST_KEY in node.meta:
+                    op_ms[str(node.target)] += node.meta[COST_KEY].compute_s * MS
 
     def predicted_step(micro_batches: int) -> StepPrediction | None:
         if not predicted:
@@ -174,7 +187,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
     overlapped = OverlappedOptimizer(optimizer) if overlap else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
                          overlapped),
-                predicted_step)
+                predicted_step, op_ms)
 
 
 def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
@@ -282,7 +295,8 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
                        pred_error=(tokens / predicted.step_s) / row["tokens_per_s"] - 1,
                        pred_exposed_ms=predicted.micro_batches
                        * predicted.exposed_transfer_s * MS,
-                       pred_host_ms=predicted.host_s * MS)
+                       pred_host_ms=predicted.host_s * MS,
+                       pred_op_ms=dict(run.op_ms.most_common(OPS_REPORTED)))
     except Exception as error:  # noqa: BLE001 - a failing method is a result, not a crash
         row["error"] = error_line(error)
     _release()

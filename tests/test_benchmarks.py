@@ -172,6 +172,9 @@ def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     for row in rows[1:]:
         assert row["pred_tokens_per_s"] > 0 and row["pred_exposed_ms"] >= 0
         assert row["pred_host_ms"] > 0, "the host adds every gradient and steps every weight"
+        assert 0 < len(row["pred_op_ms"]) <= streaming.OPS_REPORTED
+        assert "aten.mm.default" in row["pred_op_ms"], "a Llama's compute is its matmuls"
+        assert all(r["build_s"] > 0 and r["first_step_s"] > 0 for r in rows)
     assert rows[2]["pred_host_ms"] <= rows[1]["pred_host_ms"], "overlapped, the step waits less"
     assert "tokens/s" in (tmp_path / "results.md").read_text()
 

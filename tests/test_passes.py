@@ -3,8 +3,10 @@
 import pytest
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import capture, compute_between, cost_model, nodes
+from storm_compile import graphs as graphs_module
 from storm_compile import ops
 from storm_compile.config import StormConfig
 from storm_compile.graphs import COST_KEY, PassContext, StormGraphs, model_outputs, saved_values
@@ -12,7 +14,7 @@ from storm_compile.passes import StormVerificationError, verify_graphs
 from storm_compile.pipeline import run_passes
 from storm_compile.plan import Action, Rule, Unplaced
 from storm_compile.simulate import simulate
-from storm_compile.vocabulary import storage_owner
+from storm_compile.vocabulary import RECOMPUTE_TAG, storage_owner
 from zoo import ZOO
 
 MODELS = sorted(ZOO)
@@ -131,6 +133,28 @@ def test_idempotent(name):
                                       profile="cpu-test", offload="all")
     again = run_passes(graphs, PassContext(config, cost_model()))
     assert again.forward.code == fw_code and again.backward.code == bw_code
+
+
+def test_a_joint_graph_is_partitioned_once_per_set_of_recompute_tags(monkeypatch):
+    joint = capture("gpt").joint
+    partitions = []
+    partition = graphs_module.min_cut_rematerialization_partition
+    monkeypatch.setattr(graphs_module, "min_cut_rematerialization_partition",
+                        lambda *args, **kwargs: partitions.append(1) or partition(*args, **kwargs))
+    first, again = joint.split(), joint.split()
+    assert not partitions, "the pipeline's last split is reused"
+    assert first[1] is not again[1] and first[1].code == again[1].code
+    first[1].graph.erase_node(next(iter(first[1].graph.find_nodes(op="output"))))
+    names = [n.name for n in again[1].graph.nodes]
+    assert names == [n.name for n in joint.split()[1].graph.nodes], \
+        "a copy's rewrite leaves the others alone"
+    assert len(first[1].graph.nodes) == len(names) - 1
+    untagged = next(n for n in joint.module.graph.nodes
+                    if n.op == "call_function" and RECOMPUTE_TAG not in n.meta)
+    untagged.meta[RECOMPUTE_TAG] = CheckpointPolicy.MUST_SAVE
+    joint.split()
+    joint.split()
+    assert len(partitions) == 1, "new tags are partitioned once"
 
 
 @pytest.mark.parametrize("name", MODELS)

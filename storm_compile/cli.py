@@ -222,7 +222,8 @@ def differentiated(output: object, name: str) -> tuple[torch.Tensor, ...]:
 
 class _TupleOutput(nn.Module):
     """AOTAutograd traces modules whose forward returns a flat tuple of tensors: the model's
-    output as :func:`differentiated` reduces it."""
+    output as :func:`differentiated` reduces it. ``tied`` holds the names of each parameter the
+    model registers under several, first name first."""
 
     def __init__(self, model: nn.Module, name: str) -> None:
         super().__init__()
@@ -232,7 +233,6 @@ class _TupleOutput(nn.Module):
         for param_name, param in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(param_name)
         self.tied = tuple(tuple(group) for group in names.values() if len(group) > 1)
-        """The names of each parameter the model registers under several, first name first."""
 
     def forward(self, *inputs):
         """AOTAutograd swaps in its graph input for each parameter's first name only; a weight

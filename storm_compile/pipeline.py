@@ -124,10 +124,11 @@ PEAK_ROUNDS = 5
 """Plans a streamed graph gets after its first when its predicted device peak is over a byte
 ``memory_budget``. The backward's peak above the saved activations moves with the plan (what is
 recomputed, how much is prefetched ahead), so round ``k`` aims the activations at the last
-plan's less its excess over the budget times ``2**k`` (never below their minimum) and lowers
-``prefetch_window_bytes`` to at most what the last peak held besides activations, less the same
-amount, and halves it once the activations are at their minimum. Each round plans the graph
-once more: only a graph over its budget pays for them."""
+plan's less its excess over the budget times ``2**k`` (never below their minimum), and lowers
+``prefetch_window_bytes`` to at most what the last peak held besides activations, less the part
+of that excess the activations could not take, and halves it once the activations are at their
+minimum: the window is what hides the weights' copies, so it gives way only after the
+activations. Each round plans the graph once more: only a graph over its budget pays for them."""
 
 RESIDENT_ROUNDS = 3
 """Plans a streamed graph gets to keep weights on the device with the room its fitting plan
@@ -172,8 +173,10 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
 
     1. while the predicted device peak (:func:`~storm_compile.simulate.device_bytes`) is over
        the budget, plan again from a fresh split with fewer activations and a smaller prefetch
-       window, at most :data:`PEAK_ROUNDS` times; raise :class:`StormBudgetError` stating the
-       least peak seen and where it is when none fits;
+       window, at most :data:`PEAK_ROUNDS` times (:func:`_fit_peak`), once with the window
+       spared while the activations can take the excess and once with both lowered; keep the
+       fitting plan with the faster predicted step; raise :class:`StormBudgetError` stating the
+       least peak seen and where it is when neither fits;
     2. plan again with the room the fitting plan left (``PassContext.resident_room``) for
        ``plan_weights`` to keep weights on the device (:func:`_with_residents`), and, unless
        that kept every streamed weight, once more from a plan whose activation target is lower
@@ -182,34 +185,26 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
 
     The step's ledger keeps the returned plan's share."""
     tags, asked = _recompute_tags(graphs.joint), ctx.config
-    budget, window = asked.memory_budget, asked.prefetch_window_bytes
-    weights = device_weights(graphs.forward, window)
+    budget = asked.memory_budget
+    weights = device_weights(graphs.forward, asked.prefetch_window_bytes)
     planned = run_passes(graphs, ctx)
     if not isinstance(budget, int) or weights is None or planned.plan.target_bytes is None:
         return planned
-    lowered, least = budget, None
-    for round_ in range(PEAK_ROUNDS + 1):
-        peak, prediction = _peak(planned, ctx)
-        if peak <= budget:
-            break
-        if least is None or peak < least[0]:
-            least = (peak, max(prediction.timings, key=lambda t: t.memory_after))
-        if round_ == PEAK_ROUNDS:
+    peak, prediction = _peak(planned, ctx)
+    if peak > budget:
+        fits, least = [], (peak, max(prediction.timings, key=lambda t: t.memory_after))
+        for spare_window in (True, False):
+            fit = _fit_peak(graphs, tags, ctx, planned, spare_window)
+            if isinstance(fit, _Fit):
+                fits.append(fit)
+            elif fit[0] < least[0]:
+                least = fit
+        if not fits:
             raise _over_budget(budget, least, asked)
-        excess = (peak - budget) * 2**round_
-        target = max(planned.plan.minimum_bytes, prediction.activation_bytes - excess)
-        window = max(0, min(window, peak - prediction.activation_bytes) - excess)
-        if target == prediction.activation_bytes:
-            window //= 2
-        now = device_weights(graphs.forward, window)
-        lowered -= planned.plan.target_bytes - target + weights.nbytes - now.nbytes
-        weights = now
-        ctx = dataclasses.replace(ctx, config=dataclasses.replace(
-            ctx.config, memory_budget=lowered, prefetch_window_bytes=window))
-        try:
-            planned = _replan(graphs, tags, ctx)
-        except StormBudgetError:
-            raise _over_budget(budget, least, asked) from None
+        fastest = min(fits, key=lambda fit: fit.prediction.step_s)
+        planned, prediction, ctx, peak = (fastest.graphs, fastest.prediction, fastest.ctx,
+                                          fastest.peak)
+        ctx.step.record(ctx.graph, fastest.share)
     best = (prediction.step_s, planned, ctx.step.share(ctx.graph))
     kept = _with_residents(graphs, tags, ctx, budget, planned, budget - peak)
     if kept is not None:
@@ -226,6 +221,53 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     _, chosen, share = best
     ctx.step.record(ctx.graph, share)
     return chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+    """A plan whose predicted device peak fits the byte budget, and what it was planned with."""
+
+    graphs: StormGraphs
+    prediction: Prediction
+    ctx: PassContext
+    peak: int
+    share: GraphShare
+
+
+def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
+              planned: StormGraphs, spare_window: bool) -> _Fit | tuple[int, NodeTiming]:
+    """Plan ``graphs`` again from a fresh split while the predicted device peak of ``planned``
+    (over the byte budget) stays over it, at most :data:`PEAK_ROUNDS` times: the fitting plan,
+    or the least peak seen and the node where it is. Round ``k`` takes the excess times ``2**k``
+    from the activations (never below their minimum) and from ``prefetch_window_bytes``: with
+    ``spare_window`` only the part the activations could not take."""
+    budget, window = ctx.config.memory_budget, ctx.config.prefetch_window_bytes
+    weights = device_weights(graphs.forward, window)
+    lowered, least = budget, None
+    for round_ in range(PEAK_ROUNDS + 1):
+        peak, prediction = _peak(planned, ctx)
+        if peak <= budget and round_ > 0:
+            return _Fit(planned, prediction, ctx, peak, ctx.step.share(ctx.graph))
+        if least is None or peak < least[0]:
+            least = (peak, max(prediction.timings, key=lambda t: t.memory_after))
+        if round_ == PEAK_ROUNDS:
+            return least
+        excess = (peak - budget) * 2**round_
+        target = max(planned.plan.minimum_bytes, prediction.activation_bytes - excess)
+        taken = excess - (prediction.activation_bytes - target) if spare_window else excess
+        window = max(0, min(window, peak - prediction.activation_bytes) - taken)
+        if target == prediction.activation_bytes:
+            window //= 2
+        now = device_weights(graphs.forward, window)
+        lowered -= planned.plan.target_bytes - target + weights.nbytes - now.nbytes
+        weights = now
+        ctx = dataclasses.replace(ctx, config=dataclasses.replace(
+            ctx.config, memory_budget=lowered, prefetch_window_bytes=window))
+        try:
+            planned = _replan(graphs, tags, ctx)
+        except StormBudgetError:
+            return least
+    return least
 
 
 def _traded(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext, budget: int

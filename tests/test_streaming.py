@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from helpers import CPU_TEST_OPTIONS, cost_model, nodes
-from storm_compile import ops, storm, streaming
+from storm_compile import ops, pipeline, storm, streaming
 from storm_compile.backend import StormBackend
 from storm_compile.calibrate import host_rates
 from storm_compile.cost_model import CostModel
@@ -363,6 +363,25 @@ def test_a_byte_budget_bounds_a_streamed_graphs_device_peak(fraction):
     assert device_bytes(graphs, prediction) <= budget
     assert prediction.activation_bytes <= graphs.plan.target_bytes < budget - weights, \
         "the backward's peak above the saved activations is paid for too"
+
+
+def test_a_byte_budget_plans_both_ways_to_fit_and_keeps_the_faster(monkeypatch):
+    """Over the budget, the excess is taken from the activations alone while they can take it,
+    and from them and the weights' prefetch window alike: the faster fitting plan is kept."""
+    fits = []
+    fit_peak = pipeline._fit_peak
+
+    def recorded(*args):
+        fits.append(fit_peak(*args))
+        return fits[-1]
+
+    monkeypatch.setattr(pipeline, "_fit_peak", recorded)
+    peak, _ = _unbudgeted_device_peak()
+    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{int(peak * 0.9)}B")
+    assert len(fits) == 2 and all(isinstance(fit, pipeline._Fit) for fit in fits)
+    assert fits[0].ctx.config.prefetch_window_bytes > fits[1].ctx.config.prefetch_window_bytes
+    fastest = min(fit.prediction.step_s for fit in fits)
+    assert simulate(graphs, cost_model()).step_s <= fastest
 
 
 def test_a_byte_budget_below_every_plans_peak_names_where_the_peak_is():

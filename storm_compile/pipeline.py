@@ -122,13 +122,14 @@ def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
 
 PEAK_ROUNDS = 5
 """Plans a streamed graph gets after its first when its predicted device peak is over a byte
-``memory_budget``. The backward's peak above the saved activations moves with the plan (what is
-recomputed, how much is prefetched ahead), so round ``k`` aims the activations at the last
-plan's less its excess over the budget times ``2**k`` (never below their minimum), and lowers
-``prefetch_window_bytes`` to at most what the last peak held besides activations, less the part
-of that excess the activations could not take, and halves it once the activations are at their
-minimum: the window is what hides the weights' copies, so it gives way only after the
-activations. Each round plans the graph once more: only a graph over its budget pays for them."""
+``memory_budget``, in each of the two ways :func:`plan_within_budget` tries. The backward's peak
+above the saved activations moves with the plan (what is recomputed, how much is prefetched
+ahead), so round ``k`` aims the activations at the last plan's less its excess over the budget
+times ``2**k`` (never below their minimum), and lowers ``prefetch_window_bytes`` to at most what
+the last peak held besides activations, less that excess (one way) or less only the part of it
+the activations could not take (the other: the window hides the weights' copies), and halves it
+once the activations are at their minimum. Each round plans the graph once more: only a graph
+over its budget pays for them."""
 
 RESIDENT_ROUNDS = 3
 """Plans a streamed graph gets to keep weights on the device with the room its fitting plan
@@ -192,13 +193,13 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         return planned
     peak, prediction = _peak(planned, ctx)
     if peak > budget:
-        fits, least = [], (peak, max(prediction.timings, key=lambda t: t.memory_after))
+        fits, least = [], _peak_node(peak, prediction)
         for spare_window in (True, False):
-            fit = _fit_peak(graphs, tags, ctx, planned, spare_window)
+            fit = _fit_peak(graphs, tags, ctx, planned, prediction, spare_window)
             if isinstance(fit, _Fit):
                 fits.append(fit)
-            elif fit[0] < least[0]:
-                least = fit
+            else:
+                least = min(least, fit, key=lambda seen: seen[0])
         if not fits:
             raise _over_budget(budget, least, asked)
         fastest = min(fits, key=lambda fit: fit.prediction.step_s)
@@ -234,24 +235,25 @@ class _Fit:
     share: GraphShare
 
 
+def _peak_node(peak: int, prediction: Prediction) -> tuple[int, NodeTiming]:
+    """A plan's predicted device peak and the node where it is."""
+    return peak, max(prediction.timings, key=lambda t: t.memory_after)
+
+
 def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
-              planned: StormGraphs, spare_window: bool) -> _Fit | tuple[int, NodeTiming]:
-    """Plan ``graphs`` again from a fresh split while the predicted device peak of ``planned``
-    (over the byte budget) stays over it, at most :data:`PEAK_ROUNDS` times: the fitting plan,
-    or the least peak seen and the node where it is. Round ``k`` takes the excess times ``2**k``
-    from the activations (never below their minimum) and from ``prefetch_window_bytes``: with
-    ``spare_window`` only the part the activations could not take."""
+              planned: StormGraphs, prediction: Prediction, spare_window: bool
+              ) -> _Fit | tuple[int, NodeTiming]:
+    """Plan ``graphs`` again from a fresh split while the predicted device peak stays over the
+    byte budget, starting from ``planned`` (over it, predicted as ``prediction``), at most
+    :data:`PEAK_ROUNDS` times: the first fitting plan, or the least peak seen and the node
+    where it is. Round ``k`` takes the excess times ``2**k`` from the activations (never below
+    their minimum) and from ``prefetch_window_bytes``: with ``spare_window`` only the part the
+    activations could not take."""
     budget, window = ctx.config.memory_budget, ctx.config.prefetch_window_bytes
     weights = device_weights(graphs.forward, window)
-    lowered, least = budget, None
-    for round_ in range(PEAK_ROUNDS + 1):
-        peak, prediction = _peak(planned, ctx)
-        if peak <= budget and round_ > 0:
-            return _Fit(planned, prediction, ctx, peak, ctx.step.share(ctx.graph))
-        if least is None or peak < least[0]:
-            least = (peak, max(prediction.timings, key=lambda t: t.memory_after))
-        if round_ == PEAK_ROUNDS:
-            return least
+    peak = device_bytes(planned, prediction)
+    lowered, least = budget, _peak_node(peak, prediction)
+    for round_ in range(PEAK_ROUNDS):
         excess = (peak - budget) * 2**round_
         target = max(planned.plan.minimum_bytes, prediction.activation_bytes - excess)
         taken = excess - (prediction.activation_bytes - target) if spare_window else excess
@@ -267,6 +269,10 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
             planned = _replan(graphs, tags, ctx)
         except StormBudgetError:
             return least
+        peak, prediction = _peak(planned, ctx)
+        if peak <= budget:
+            return _Fit(planned, prediction, ctx, peak, ctx.step.share(ctx.graph))
+        least = min(least, _peak_node(peak, prediction), key=lambda seen: seen[0])
     return least
 
 

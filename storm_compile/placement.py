@@ -249,9 +249,10 @@ def place(graphs: StormGraphs, storages: Sequence[Storage], required: set[fx.Nod
           ctx: PassContext) -> Placed:
     """Place the copies of every storage in ``storages`` (by root), of every streamed weight's
     fetch in either graph (but the resident weights'), which share the H2D lane with the
-    storages' prefetches, and of every streamed weight's gradient on the backward's D2H lane. Storages whose root is in
-    ``required``, and every fetch and gradient, are always placed; the other storages only if
-    both their copies are predicted to hide, else they map to why not."""
+    storages' prefetches, and of every streamed weight's gradient on the backward's D2H lane.
+    Storages whose root is in ``required``, and every fetch and gradient, are always placed;
+    the other storages only if both their copies are predicted to hide, else they map to why
+    not."""
     forward, backward = _Timeline(graphs.forward), _Timeline(graphs.backward)
     resident = {w.name for w in graphs.storages.resident}
     fw_fetches = weight_fetches(graphs.forward, resident)

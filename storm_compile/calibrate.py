@@ -187,7 +187,8 @@ def cache_path(cache_dir: Path | None = None) -> Path:
     """Where the calibration of the present GPU is kept."""
     base = cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     slug = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name()).strip("-").lower()
-    return Path(base) / "storm_compile" / f"{slug}-torch{torch.__version__}-v{CALIBRATION_VERSION}.json"
+    name = f"{slug}-torch{torch.__version__}-v{CALIBRATION_VERSION}.json"
+    return Path(base) / "storm_compile" / name
 
 
 def auto_profile(without_cuda: str = FALLBACK_PROFILE) -> DeviceProfile:

@@ -8,8 +8,9 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
   with Inductor, no memory cap (the reference).
 * ``storm``: :func:`~storm_compile.streaming.stream_parameters` keeps the parameters of 1 MiB or
   more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``, AdamW on
-  the host; the process's GPU memory capped at ``--cap-gib`` with
-  ``torch.cuda.set_per_process_memory_fraction``.
+  the host, each step's micro-batches in
+  :func:`~storm_compile.streaming.gradient_accumulation`; the process's GPU memory capped at
+  ``--cap-gib`` with ``torch.cuda.set_per_process_memory_fraction``.
 * ``storm-overlap``: ``storm`` with :class:`~storm_compile.streaming.OverlappedOptimizer`: the
   streamed parameters are stepped during the backward of each step's last micro-batch.
 * ``fsdp2-offload``: ``fully_shard`` on every block and the root with ``CPUOffloadPolicy`` on a
@@ -71,6 +72,7 @@ from storm_compile.simulate import predict_step
 from storm_compile.streaming import (
     DEFAULT_RESIDENT_BYTES,
     OverlappedOptimizer,
+    gradient_accumulation,
     stream_parameters,
 )
 from storm_compile.vocabulary import GIB, MS
@@ -125,14 +127,17 @@ def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Ten
 
 
 def _trainer(forward: Callable, optimizer: torch.optim.Optimizer, sync: Callable[[], None],
-             overlapped: OverlappedOptimizer | None = None) -> Callable:
-    """With ``overlapped``, the last micro-batch's backward steps the streamed parameters."""
+             overlapped: OverlappedOptimizer | None = None, streamed: bool = False) -> Callable:
+    """With ``overlapped``, the last micro-batch's backward steps the streamed parameters;
+    ``streamed``, the micro-batches run in :func:`gradient_accumulation`."""
     def step(micro_batches):
-        for index, (tokens, targets) in enumerate(micro_batches):
-            loss = forward(tokens, targets) / len(micro_batches)
-            last = index == len(micro_batches) - 1
-            with overlapped.final_backward() if overlapped and last else contextlib.nullcontext():
-                loss.backward()
+        with gradient_accumulation() if streamed else contextlib.nullcontext():
+            for index, (tokens, targets) in enumerate(micro_batches):
+                loss = forward(tokens, targets) / len(micro_batches)
+                last = index == len(micro_batches) - 1
+                with overlapped.final_backward() if overlapped and last \
+                        else contextlib.nullcontext():
+                    loss.backward()
         sync()
         begin = time.perf_counter()
         optimizer.step()
@@ -168,7 +173,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
 
     def observe(graphs: StormGraphs) -> None:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
-        predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap))
+        predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap, accumulating=True))
         for module in (graphs.forward, graphs.backward):
             for node in module.graph.nodes:
                 if node.op == "call_function" and COST_KEY in node.meta:
@@ -178,7 +183,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
         if not predicted:
             return None
         fields = ("micro_batch_s", "last_micro_batch_s", "optimizer_s", "exposed_transfer_s",
-                  "host_wait_s")
+                  "host_wait_s", "last_host_wait_s")
         return dataclasses.replace(predicted[0], micro_batches=micro_batches, **{
             f: sum(getattr(p, f) for p in predicted) for f in fields})
 
@@ -186,7 +191,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
     overlapped = OverlappedOptimizer(optimizer) if overlap else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
-                         overlapped),
+                         overlapped, streamed=True),
                 predicted_step, op_ms)
 
 

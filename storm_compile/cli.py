@@ -186,6 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     throughput.add_argument("--overlap-optimizer", action="store_true",
                             help="step the streamed weights on the host thread during the last "
                                  "backward (OverlappedOptimizer) instead of after it")
+    throughput.add_argument("--accumulate", action="store_true",
+                            help="run the micro-batches in gradient_accumulation(): a backward "
+                                 "does not wait for its gradients' host additions")
     calibrate_cmd = commands.add_parser("calibrate", help="measure the present GPU into a profile")
     calibrate_cmd.add_argument("--out", type=Path, default=None,
                                help="profile JSON to write (default: the backend's cache)")
@@ -491,7 +494,7 @@ def _throughput(args: argparse.Namespace) -> int:
                             **{**shape, "batch": tokens // base.seq})
         summary = annotate(graphs, ctx.cost, tokens=tokens)["summary"]
         rows += [throughput_row(summary, predict_step(graphs, ctx.cost, count,
-                                                      args.overlap_optimizer))
+                                                      args.overlap_optimizer, args.accumulate))
                  for count in micro_batches]
     _print(args, rows, format_throughput)
     return 0

@@ -70,8 +70,13 @@ class StepPrediction:
     overlapped: bool
     """Whether the optimizer steps the weights during the last backward
     (:class:`~storm_compile.streaming.OverlappedOptimizer`)."""
+    accumulating: bool
+    """Whether the micro-batches run in
+    :func:`~storm_compile.streaming.gradient_accumulation`: a backward does not wait for the
+    host thread's additions, which run during the next micro-batch."""
     micro_batch_s: float
-    """A forward and backward whose gradients the host adds."""
+    """A forward and backward whose gradients the host adds (accumulating: the host's
+    additions when they take longer than the forward and backward)."""
     last_micro_batch_s: float
     """The last forward and backward; overlapped, its backward also steps the weights."""
     optimizer_s: float
@@ -79,14 +84,18 @@ class StepPrediction:
     exposed_transfer_s: float
     """Time one micro-batch's compute waits on copies."""
     host_wait_s: float
-    """Time one micro-batch's backward end waits for the host thread's additions."""
+    """Time the end of each micro-batch but the last waits for the host thread (0
+    accumulating)."""
+    last_host_wait_s: float
+    """Time the end of the last micro-batch waits for the host thread: its additions, and
+    overlapped, the steps."""
 
     @property
     def host_s(self) -> float:
         """Time the step waits for the host: every micro-batch's additions, the steps the last
         backward waits for (overlapped) and the optimizer after it."""
-        return (self.micro_batches * self.host_wait_s + self.last_micro_batch_s
-                - self.micro_batch_s + self.optimizer_s)
+        return ((self.micro_batches - 1) * self.host_wait_s + self.last_host_wait_s
+                + self.optimizer_s)
 
     @property
     def step_s(self) -> float:

@@ -8,16 +8,20 @@ scattered across the ops.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import queue
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils.weak import WeakIdKeyDictionary
 
 log = logging.getLogger("storm_compile")
@@ -177,6 +181,10 @@ class HostAdder:
             raise RuntimeError(f"storm: {len(leftover)} parameters' optimizer steps did not "
                                f"run: their gradients did not all arrive")
 
+    def on_thread(self) -> bool:
+        """Whether the caller runs on this object's host thread."""
+        return threading.current_thread() is self._thread
+
     def _put(self, job) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="storm-host-adder",
@@ -251,6 +259,8 @@ class TransferRuntime:
         self._optimizer_hook = None
         self._adder = HostAdder()
         self._joined_task: int | None = None
+        self._deferring = 0
+        self._step_pre_hook = None
         self.stepper: Step | None = None
         """While set (:class:`storm_compile.streaming.OverlappedOptimizer`), each streamed
         parameter is stepped once its gradient is complete."""
@@ -336,7 +346,11 @@ class TransferRuntime:
     def wait_host(self) -> None:
         """Every :meth:`accumulate` done (and its step) when the autograd engine's backward
         pass ends, or now outside one: a backward of several graphs (graph breaks) launches
-        them all before the host waits, and the steps know every gradient they wait for."""
+        them all before the host waits, and the steps know every gradient they wait for.
+        Within :meth:`deferred` and without a :attr:`stepper`, nothing waits: the block's end
+        does."""
+        if self._deferring and self.stepper is None:
+            return
         task = _current_backward()
         if task is None:
             self._adder.join()
@@ -347,6 +361,24 @@ class TransferRuntime:
     def _end_of_backward(self) -> None:
         self._joined_task = None
         self._adder.join()
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block whose backwards do not wait for the host thread's additions; its end waits
+        for them all, and so does any optimizer step, in it or after it, run off the host
+        thread (see :func:`storm_compile.streaming.gradient_accumulation`)."""
+        if self._step_pre_hook is None:
+            self._step_pre_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            self._adder.join()
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if not self._adder.on_thread():
+            self._adder.join()
 
     def warn_pinning_failed(self, nbytes: int, limit: int) -> None:
         if not self._warned_pinning:

@@ -289,22 +289,30 @@ def stepped_weights(graphs: StormGraphs) -> list[fx.Node]:
 
 
 def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
-                 overlapped: bool) -> StepPrediction:
+                 overlapped: bool, accumulating: bool = False) -> StepPrediction:
     """One optimizer step of ``micro_batches`` forward and backward passes of the pair, AdamW
     (fused, on the host) over its streamed weights: after the last backward, or, ``overlapped``
-    (:class:`~storm_compile.streaming.OverlappedOptimizer`), on the host thread during it. The
-    optimizer's device work for parameters left on the device is not counted (for a streamed
-    model: its norms and biases, a few MiB)."""
+    (:class:`~storm_compile.streaming.OverlappedOptimizer`), on the host thread during it.
+    ``accumulating`` (:func:`~storm_compile.streaming.gradient_accumulation`): a micro-batch
+    but the last does not wait for its gradients' additions, which run during the next one;
+    a micro-batch then takes its forward and backward or the host's additions, whichever is
+    longer. The optimizer's device work for parameters left on the device is not counted (for
+    a streamed model: its norms and biases, a few MiB)."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
     each = simulate(graphs, cost)
     last = simulate(graphs, cost, steps=True).step_s if overlapped else each.step_s
     optimizer = 0.0 if overlapped else sum(
         cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
+    micro, wait = each.step_s, each.host_wait_s
+    if accumulating:
+        adding = sum(h.end_s - h.start_s for h in each.host if h.work == "add")
+        micro, wait = max(each.step_s - each.host_wait_s, adding), 0.0
     return StepPrediction(micro_batches=micro_batches, overlapped=overlapped,
-                          micro_batch_s=each.step_s, last_micro_batch_s=last,
-                          optimizer_s=optimizer, exposed_transfer_s=each.exposed_transfer_s,
-                          host_wait_s=each.host_wait_s)
+                          accumulating=accumulating, micro_batch_s=micro,
+                          last_micro_batch_s=last, optimizer_s=optimizer,
+                          exposed_transfer_s=each.exposed_transfer_s, host_wait_s=wait,
+                          last_host_wait_s=each.host_wait_s + last - each.step_s)
 
 
 def host_inputs(graphs: StormGraphs) -> set[fx.Node]:

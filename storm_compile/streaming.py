@@ -216,6 +216,28 @@ class OverlappedOptimizer:
         param.grad = None
 
 
+@contextlib.contextmanager
+def gradient_accumulation() -> Iterator[None]:
+    """Gradient accumulation over micro-batches without waiting between them: inside this
+    block, a backward returns once its kernels and copies are launched, and the host thread
+    adds its streamed parameters' gradients while the next micro-batch runs; the block's end
+    waits for every addition (and raises the first error one hit), and so does any
+    ``optimizer.step()``::
+
+        with gradient_accumulation():
+            for batch in micro_batches:
+                (compiled(batch) / len(micro_batches)).backward()
+        optimizer.step()
+
+    Inside the block a streamed parameter's ``.grad`` is not complete: read it (clip, log)
+    after the block, and call ``zero_grad`` outside it. Outside the block each backward returns
+    with its gradients added. :meth:`OverlappedOptimizer.final_backward` works inside the
+    block: that backward waits for its steps as usual.
+    """
+    with get_runtime().deferred():
+        yield
+
+
 def refetch_in_backward(joint: fx.GraphModule) -> int:
     """Tag every ``storm.fetch_weight`` of the joint graph for recomputation, so the partitioner
     never saves a weight's device copy for the backward and fetches it again there instead.

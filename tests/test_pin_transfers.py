@@ -89,6 +89,39 @@ def test_golden_transfer_waits_for_an_input_moved_after_its_anchor():
     assert _names(pin.pin_transfers(reordered)) == ["a", "b", "d", "c", "off"]
 
 
+def _backward() -> dict[str, _SNode]:
+    """``g = mm(x, x)`` (a weight's gradient), sent home, the compute stream waiting on it after
+    ``y = neg(x)``, then ``z = relu(y)``, in that FX order, one scheduler node per call."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    g = graph.call_function(aten.mm.default, (x, x), name="g")
+    send = graph.call_function(ops.send_grad, (g, 0), name="send")
+    rec = graph.call_function(ops.record_event, (send,), name="rec")
+    y = graph.call_function(aten.neg.default, (x,), name="y")
+    wait = graph.call_function(ops.wait_event, (rec, g), name="wait")
+    acc = graph.call_function(ops.accumulate_grad, (wait, x), name="acc")
+    z = graph.call_function(aten.relu.default, (y,), name="z")
+    graph.output((acc, z))
+    return {"g": _SNode(g, []), "send": _SNode(send, [g]), "rec": _SNode(rec, [send]),
+            "y": _SNode(y, []), "wait": _SNode(wait, [rec, g]), "acc": _SNode(acc, [wait]),
+            "z": _SNode(z, [y])}
+
+
+def test_golden_a_wait_keeps_its_copys_overlap_when_its_compute_moves_before_the_copy():
+    """Inductor runs ``y`` before the gradient: the wait storm put after ``y`` would follow the
+    copy at once (the compute stream idle for the whole copy); it goes after ``z``, as many
+    kernels past the copy as ``y`` was."""
+    s = _backward()
+    reordered = [s["y"], s["g"], s["send"], s["rec"], s["wait"], s["acc"], s["z"]]
+    assert _names(pin.pin_transfers(reordered)) == ["y", "g", "send", "rec", "z", "wait", "acc"]
+
+
+def test_golden_a_wait_stays_after_its_anchor_when_the_compute_order_is_kept():
+    s = _backward()
+    kept = [s["g"], s["send"], s["rec"], s["y"], s["wait"], s["acc"], s["z"]]
+    assert _names(pin.pin_transfers(kept)) == _names(kept)
+
+
 def test_compute_order_is_kept_and_the_result_is_topological():
     s = _forward()
     reordered = [s["d"], s["a"], s["b"], s["off"], s["c"]]

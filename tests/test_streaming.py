@@ -1,6 +1,7 @@
 """Parameters streamed from host memory: same gradients, optimizer steps and state_dict as the
 model they came from, in eager mode, under aot_eager and under storm."""
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -21,7 +22,7 @@ from storm_compile.graphs import PassContext, saved_values
 from storm_compile.passes import StormBudgetError, StormVerificationError, verify_graphs
 from storm_compile.pipeline import run_passes
 from storm_compile.profiles import PROFILES
-from storm_compile.runtime import HostAdder
+from storm_compile.runtime import HostAdder, get_runtime
 from storm_compile.report import summary
 from storm_compile.simulate import device_bytes, predict_step, simulate, stepped_weights
 from storm_compile.models import LLAMA_PRESETS, build_llama
@@ -196,19 +197,21 @@ def test_weight_prefetches_are_placed_ahead_of_their_reads():
     assert any(f.issue_after is not None for f in graphs.storages.fetches)
 
 
-def _train(net, batch, backend, lr: float, fused: bool | None, scheduled: bool
-           ) -> tuple[list[float], list[torch.Tensor]]:
+def _train(net, batch, backend, lr: float, fused: bool | None, scheduled: bool,
+           deferred: bool = False) -> tuple[list[float], list[torch.Tensor]]:
     """STEPS AdamW steps of MICRO_BATCHES accumulated micro-batches of ``batch`` (an LR schedule
-    with ``scheduled``): each step's last loss and the final weights, on the CPU."""
+    with ``scheduled``; the micro-batches in ``gradient_accumulation()`` with ``deferred``):
+    each step's last loss and the final weights, on the CPU."""
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, fused=fused)
     schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2) \
         if scheduled else None
     run = torch.compile(net, backend=backend)
     losses = []
     for _ in range(STEPS):
-        for _ in range(MICRO_BATCHES):
-            loss = run(*batch) / MICRO_BATCHES
-            loss.backward()
+        with streaming.gradient_accumulation() if deferred else contextlib.nullcontext():
+            for _ in range(MICRO_BATCHES):
+                loss = run(*batch) / MICRO_BATCHES
+                loss.backward()
         optimizer.step()
         if schedule is not None:
             schedule.step()
@@ -217,10 +220,12 @@ def _train(net, batch, backend, lr: float, fused: bool | None, scheduled: bool
     return losses, [p.detach().cpu() for p in net.parameters()]
 
 
-def test_optimizer_steps_match_with_accumulation_and_a_schedule():
+@pytest.mark.parametrize("deferred", [False, True], ids=["waiting", "deferred"])
+def test_optimizer_steps_match_with_accumulation_and_a_schedule(deferred):
     reference, model, batch = _pair()
     (ref_losses, ref_params), (losses, params) = (
-        _train(net, batch, storm(**CPU_TEST_OPTIONS), lr=1e-2, fused=True, scheduled=True)
+        _train(net, batch, storm(**CPU_TEST_OPTIONS), lr=1e-2, fused=True, scheduled=True,
+               deferred=deferred and net is model)
         for net in (reference, model))
     assert losses == pytest.approx(ref_losses)
     for param, expected in zip(params, ref_params):
@@ -486,6 +491,26 @@ def test_host_adder_steps_a_parameter_after_its_last_addition_and_the_join():
     assert first.grad is None and second.grad is None
 
 
+def test_deferred_backwards_leave_the_additions_to_the_block_end_or_the_optimizer_step():
+    """In ``gradient_accumulation()`` the end of a backward (``wait_host``) does not wait for
+    an addition whose copy is still in flight; the block's end does, and so does an optimizer
+    step taken inside the block."""
+    runtime = get_runtime()
+    for ends_it in ("block", "optimizer"):
+        weight = torch.zeros(2, requires_grad=True)
+        optimizer = torch.optim.SGD([weight], lr=1.0)
+        copy = _Copy()
+        with streaming.gradient_accumulation():
+            runtime._adder.add(torch.ones(2), weight, copy)
+            threading.Timer(WORKER_SETTLE_S, copy.done.set).start()
+            runtime.wait_host()
+            assert weight.grad is None, "the backward's end waited inside the block"
+            if ends_it == "optimizer":
+                optimizer.step()
+                torch.testing.assert_close(weight.detach(), torch.full((2,), -1.0))
+        torch.testing.assert_close(weight.grad, torch.ones(2))
+
+
 def _train_overlapped(net, batch, backend) -> list[torch.Tensor]:
     """_train's loop with the streamed parameters stepped during each last backward."""
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
@@ -591,7 +616,7 @@ def test_resident_weights_follow_the_optimizer():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("way", ["overlapped-optimizer", "resident-weights"])
+@pytest.mark.parametrize("way", ["overlapped-optimizer", "resident-weights", "deferred"])
 def test_streamed_training_on_the_gpu_matches_with_the_optimizer_overlapped_or_weights_kept(way):
     """The host thread's additions and steps against real copy streams, or the device copies
     kept across optimizer steps: the same weights as the streamed model stepped after its
@@ -606,6 +631,9 @@ def test_streamed_training_on_the_gpu_matches_with_the_optimizer_overlapped_or_w
                          scheduled=True)
     if way == "overlapped-optimizer":
         params = _train_overlapped(model, batch, storm(min_offload_bytes=0))
+    elif way == "deferred":
+        _, params = _train(model, batch, storm(min_offload_bytes=0), lr=1e-2, fused=True,
+                           scheduled=True, deferred=True)
     else:
         everything = f"{torch.cuda.get_device_properties(0).total_memory}B"
         _, params = _train(model, batch, storm(min_offload_bytes=0, memory_budget=everything),
@@ -720,6 +748,24 @@ def test_predicted_optimizer_step_puts_micro_batches_and_the_optimizer_together(
     assert during.step_s <= after.step_s
     with pytest.raises(ValueError, match="micro_batches must be at least 1"):
         predict_step(graphs, cost, 0, overlapped=False)
+
+
+@pytest.mark.parametrize("add_rate", [1e10, 1e6], ids=["host-keeps-up", "host-bound"])
+def test_accumulating_micro_batches_leave_their_additions_to_the_next(add_rate):
+    graphs, _ = _streamed_graphs()
+    cost = _host_rates(add=add_rate)
+    each = simulate(graphs, cost)
+    adding = sum(h.end_s - h.start_s for h in each.host if h.work == "add")
+    waiting = predict_step(graphs, cost, 4, overlapped=False)
+    deferred = predict_step(graphs, cost, 4, overlapped=False, accumulating=True)
+    compute = each.step_s - each.host_wait_s
+    assert each.host_wait_s > 0
+    assert deferred.host_wait_s == 0
+    assert deferred.micro_batch_s == pytest.approx(max(compute, adding))
+    assert (adding > compute) == (add_rate == 1e6)
+    assert deferred.last_micro_batch_s == waiting.last_micro_batch_s
+    assert deferred.host_s == pytest.approx(waiting.host_s - 3 * each.host_wait_s)
+    assert deferred.step_s <= waiting.step_s
 
 
 def test_host_rates_are_measured_on_this_host():

@@ -159,9 +159,9 @@ class HostAdder:
                 pending = self._steps.setdefault(id(param), _PendingStep(param, step, 0))
                 pending.adds_left += 1
         if event is None and self._jobs.unfinished_tasks == 0:
-            self._add_now(x, param)
+            self._add_now(x, param, step is not None)
             return
-        self._put((x, param, event))
+        self._put((x, param, event, step is not None))
 
     def join(self) -> None:
         """Run the pending steps, wait until every queued addition and step is done; raise the
@@ -197,11 +197,11 @@ class HostAdder:
             job = self._jobs.get()
             try:
                 if job is not None:
-                    x, param, event = job
+                    x, param, event, counted = job
                     while event is not None and not event.query():
                         if not self._step_one():
                             event.synchronize()
-                    self._add_now(x, param)
+                    self._add_now(x, param, counted)
                 while self._step_one():
                     pass
             except BaseException as error:  # noqa: BLE001 - handed to join
@@ -223,7 +223,9 @@ class HostAdder:
         pending.step(pending.param)
         return True
 
-    def _add_now(self, x: torch.Tensor, param: torch.Tensor) -> None:
+    def _add_now(self, x: torch.Tensor, param: torch.Tensor, counted: bool) -> None:
+        """Add ``x`` into ``param.grad``; ``counted``: an addition its pending step waits for
+        (an earlier micro-batch's, still queued, is not one)."""
         with torch.no_grad():
             if param.grad is not None:
                 param.grad.add_(x)
@@ -234,10 +236,9 @@ class HostAdder:
                     buffer = torch.empty_like(param, memory_format=torch.contiguous_format)
                     self._buffers[param] = (buffer, _storage_use_count(buffer))
                 param.grad = buffer.copy_(x).detach()  # its own tensor: holders count as users
-        with self._lock:
-            pending = self._steps.get(id(param))
-            if pending is not None:
-                pending.adds_left -= 1
+        if counted:
+            with self._lock:
+                self._steps[id(param)].adds_left -= 1
 
 
 class TransferRuntime:

@@ -511,21 +511,50 @@ def test_deferred_backwards_leave_the_additions_to_the_block_end_or_the_optimize
         torch.testing.assert_close(weight.grad, torch.ones(2))
 
 
-def _train_overlapped(net, batch, backend) -> list[torch.Tensor]:
-    """_train's loop with the streamed parameters stepped during each last backward."""
+def test_host_adder_steps_after_the_additions_it_was_given_not_an_earlier_micro_batchs():
+    """An earlier micro-batch's addition still queued (``gradient_accumulation()``) when the
+    final backward hands over its own with a step: the step waits for the final one."""
+    adder = HostAdder()
+    weight = torch.zeros(2, requires_grad=True)
+    seen = []
+
+    def step(param):
+        seen.append(param.grad.clone())
+        param.grad = None
+
+    earlier, final = _Copy(), _Copy()
+    adder.add(torch.ones(2), weight, earlier)
+    adder.add(torch.full((2,), 2.0), weight, final, step)
+    joining = threading.Thread(target=adder.join)
+    joining.start()
+    earlier.done.set()
+    time.sleep(WORKER_SETTLE_S)
+    assert seen == [], "stepped before its own addition arrived"
+    final.done.set()
+    joining.join()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], torch.full((2,), 3.0))
+    assert weight.grad is None
+
+
+def _train_overlapped(net, batch, backend, deferred: bool = False) -> list[torch.Tensor]:
+    """_train's loop with the streamed parameters stepped during each last backward (the
+    micro-batches in ``gradient_accumulation()`` with ``deferred``)."""
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
     schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2)
     overlapped = streaming.OverlappedOptimizer(optimizer)
     run = torch.compile(net, backend=backend)
     for _ in range(STEPS):
-        for index in range(MICRO_BATCHES):
-            loss = run(*batch) / MICRO_BATCHES
-            if index < MICRO_BATCHES - 1:
-                loss.backward()
-                continue
-            with overlapped.final_backward():
-                loss.backward()
-            assert all(p.grad is None for n, p in net.named_parameters() if "norm" not in n)
+        with streaming.gradient_accumulation() if deferred else contextlib.nullcontext():
+            for index in range(MICRO_BATCHES):
+                loss = run(*batch) / MICRO_BATCHES
+                if index < MICRO_BATCHES - 1:
+                    loss.backward()
+                    continue
+                with overlapped.final_backward():
+                    loss.backward()
+                assert all(p.grad is None for n, p in net.named_parameters()
+                           if "norm" not in n)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
@@ -616,10 +645,12 @@ def test_resident_weights_follow_the_optimizer():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("way", ["overlapped-optimizer", "resident-weights", "deferred"])
-def test_streamed_training_on_the_gpu_matches_with_the_optimizer_overlapped_or_weights_kept(way):
-    """The host thread's additions and steps against real copy streams, or the device copies
-    kept across optimizer steps: the same weights as the streamed model stepped after its
+@pytest.mark.parametrize("way", ["overlapped-optimizer", "resident-weights", "deferred",
+                                 "deferred-overlapped"])
+def test_streamed_training_on_the_gpu_matches_each_way_of_running_the_step(way):
+    """The host thread's additions and steps against real copy streams (the optimizer
+    overlapped, the micro-batches' additions deferred, or both), or the device copies kept
+    across optimizer steps: the same weights as the streamed model stepped after its
     backward. Both step with the host's AdamW, so a difference is the way's alone (against
     the GPU's AdamW, a gradient near zero turns float noise into a step of up to the rate)."""
     torch.manual_seed(0)
@@ -634,6 +665,8 @@ def test_streamed_training_on_the_gpu_matches_with_the_optimizer_overlapped_or_w
     elif way == "deferred":
         _, params = _train(model, batch, storm(min_offload_bytes=0), lr=1e-2, fused=True,
                            scheduled=True, deferred=True)
+    elif way == "deferred-overlapped":
+        params = _train_overlapped(model, batch, storm(min_offload_bytes=0), deferred=True)
     else:
         everything = f"{torch.cuda.get_device_properties(0).total_memory}B"
         _, params = _train(model, batch, storm(min_offload_bytes=0, memory_budget=everything),

@@ -9,39 +9,47 @@ graphs gives up what it saves elsewhere (a U-Net's peak +3.5 % over torch.compil
 :func:`pin_transfers` runs after that reordering, as the one pass of Inductor's
 ``reorder_for_compute_comm_overlap_passes`` hook (see :func:`inductor_patches`), and puts each
 transfer kernel back right after its *anchor*: the last compute node before it in the FX graph
-that storm's ``insert_transfers`` wrote. Compute kernels keep the order Inductor chose. A
-``wait_event`` also keeps the compute storm put between its copy and it: when Inductor runs
-that compute before the copy's anchor (it moves a weight's gradient matmul after the next
-matmul, which is what storm hid the gradient's copy home under), the wait goes after as many
-compute kernels past the copy as there were between them in the FX graph, instead of right
-after the copy, where the compute stream would stall for the whole copy.
+that storm's ``insert_transfers`` wrote. Compute kernels keep the order Inductor chose. The
+``wait_event`` of a copy home (an offload or a gradient's send) also keeps the compute storm
+put between its copy and it: when Inductor runs that compute before the copy's anchor (it moves
+a weight's gradient matmul after the next matmul, which is what storm hid the gradient's copy
+home under), the wait goes after the kernels past the copy whose predicted compute time (the
+cost model's, on their FX nodes) reaches that of the compute between them in the FX graph,
+instead of right after the copy, where the compute stream would stall for the whole copy.
 
 Assumes: the scheduler nodes are in a legal order, and each node's ``unmet_dependencies`` name
 every buffer or operation it must follow (Inductor's own reorderings rely on the same).
 Guarantees: the result is a topological order of the same nodes; compute kernels appear in
-their input order; each transfer kernel appears as soon after its anchor's kernel (for a wait, and after
-the kernels that keep its copy's overlap) as its dependencies allow (never before a kernel it
-reads, never after a kernel that reads it).
+their input order; each transfer kernel appears as soon after its anchor's kernel (for a copy
+home's wait, and after the kernels that keep its copy's overlap) as its dependencies allow
+(never before a kernel it reads, never after a kernel that reads it).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+from collections.abc import Callable
 from typing import Any
 
 from torch import fx
 
 from storm_compile import ops
+from storm_compile.graphs import COST_KEY
 from storm_compile.ops import TRANSFER_OPS
 from storm_compile.vocabulary import is_view
 
 _START = -1
 """Anchor index of a transfer with no compute node before it: it goes first."""
 
-COPY_OPS = (ops.offload, ops.prefetch, ops.send_grad)
-"""The transfers that launch a copy, which a ``wait_event`` waits on through its
-``record_event``."""
+COVER_FRACTION = 1 - 1e-9
+"""Compute time summed in another order differs in its last bits: a wait whose kernels reach
+the FX graph's time up to rounding keeps its place."""
+
+OUTGOING = (ops.offload, ops.send_grad)
+"""The copies home, which a ``wait_event`` waits on through its ``record_event`` only to free
+their source: nothing computes on what the wait returns, so it can go later without moving a
+compute kernel (a prefetch's wait stays right before the kernel that reads the copy)."""
 
 
 def _transfer_node(snode: Any) -> fx.Node | None:
@@ -73,31 +81,58 @@ def _anchor(node: fx.Node, kernel_of: dict[fx.Node, int]) -> int:
 
 
 def _copy_of(wait: fx.Node) -> fx.Node | None:
-    """The copy ``wait`` waits on, through its ``record_event``; None if it is not one."""
+    """The copy home ``wait`` waits on, through its ``record_event``; None if it is not one."""
     record = wait.args[0] if wait.target is ops.wait_event else None
     if isinstance(record, fx.Node) and record.target is ops.record_event:
         copy = record.args[0]
-        if isinstance(copy, fx.Node) and copy.target in COPY_OPS:
+        if isinstance(copy, fx.Node) and copy.target in OUTGOING:
             return copy
     return None
 
 
-def _overlap(wait: fx.Node, kernel_of: dict[fx.Node, int], kernels: list[int]) -> int:
-    """Index of the kernel after which ``wait`` keeps its copy's overlap: the n-th compute
-    kernel after the copy's anchor, n the number of kernels that run the compute nodes between
-    the copy and the wait in the FX graph (:data:`_START` when there are none)."""
+def _seconds(node: fx.Node) -> float:
+    """The compute time the cost model predicted for ``node`` (0 for nodes Inductor's own
+    passes made)."""
+    cost = node.meta.get(COST_KEY)
+    return cost.compute_s if cost is not None else 0.0
+
+
+def _overlap(wait: fx.Node, kernel_of: dict[fx.Node, int], kernels: list[int],
+             seconds: dict[int, float]) -> int:
+    """Index of the kernel after which ``wait`` keeps its copy's overlap: the first kernel past
+    the copy's anchor by which the kernels' predicted compute time reaches that of the compute
+    nodes between the copy and the wait in the FX graph (:data:`_START` when that is 0)."""
     copy = _copy_of(wait)
     if copy is None:
         return _START
-    between, node = set(), copy.next
+    between, node = 0.0, copy.next
     while node is not wait and node.op != "root":
         if _is_compute(node, kernel_of):
-            between.add(kernel_of[node])
+            between += _seconds(node)
         node = node.next
-    if not between:
+    if between <= 0.0:
         return _START
-    first = bisect.bisect_right(kernels, _anchor(copy, kernel_of))
-    return kernels[min(first + len(between), len(kernels)) - 1]
+    covered = 0.0
+    position = bisect.bisect_right(kernels, _anchor(copy, kernel_of))
+    for index in kernels[position:]:
+        covered += seconds[index]
+        if covered >= between * COVER_FRACTION:
+            return index
+    return kernels[-1]
+
+
+def _earliest(kernel_of: dict[fx.Node, int]) -> Callable[[fx.Node], int]:
+    """For a transfer's FX node, the index of the kernel it goes right after (its anchor's, or
+    for a wait the one that keeps its copy's overlap), given each compute node's kernel."""
+    kernels = sorted(set(kernel_of.values()))
+    seconds = dict.fromkeys(kernels, 0.0)
+    for origin, index in kernel_of.items():
+        if _is_compute(origin, kernel_of):
+            seconds[index] += _seconds(origin)
+
+    def after(node: fx.Node) -> int:
+        return max(_anchor(node, kernel_of), _overlap(node, kernel_of, kernels, seconds))
+    return after
 
 
 def pin_transfers(snodes: list[Any]) -> list[Any]:
@@ -111,11 +146,7 @@ def pin_transfers(snodes: list[Any]) -> list[Any]:
             for origin in _origins(snode):
                 kernel_of.setdefault(origin, index)
     order = {n: i for i, n in enumerate(next(iter(transfers.values())).graph.nodes)}
-    kernels = sorted(set(kernel_of.values()))
-
-    def after(node: fx.Node) -> int:
-        return max(_anchor(node, kernel_of), _overlap(node, kernel_of, kernels))
-
+    after = _earliest(kernel_of)
     key = {id(s): ((after(transfers[id(s)]), 1, order[transfers[id(s)]])
                    if id(s) in transfers else (index, 0, 0)) for index, s in enumerate(snodes)}
 

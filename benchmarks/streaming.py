@@ -8,11 +8,13 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
   with Inductor, no memory cap (the reference).
 * ``storm``: :func:`~storm_compile.streaming.stream_parameters` keeps the parameters of 1 MiB or
   more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``, AdamW on
-  the host, each step's micro-batches in
-  :func:`~storm_compile.streaming.gradient_accumulation`; the process's GPU memory capped at
-  ``--cap-gib`` with ``torch.cuda.set_per_process_memory_fraction``.
+  the host; the process's GPU memory capped at ``--cap-gib`` with
+  ``torch.cuda.set_per_process_memory_fraction``.
 * ``storm-overlap``: ``storm`` with :class:`~storm_compile.streaming.OverlappedOptimizer`: the
   streamed parameters are stepped during the backward of each step's last micro-batch.
+* ``storm-deferred``: ``storm-overlap`` with each step's micro-batches in
+  :func:`~storm_compile.streaming.gradient_accumulation`: a backward does not wait for its
+  gradients' host additions, which run during the next micro-batch.
 * ``fsdp2-offload``: ``fully_shard`` on every block and the root with ``CPUOffloadPolicy`` on a
   one-rank process group (torch's hook-based offload), eager, AdamW on the host, same cap.
 
@@ -81,7 +83,7 @@ OPS_REPORTED = 12
 """The ops with the most predicted compute time a storm row lists in results.json: enough to see
 which op a prediction gets wrong when it is set beside a profile of the run."""
 REFERENCE = "compile"
-METHODS = ("compile", "storm", "storm-overlap", "fsdp2-offload")
+METHODS = ("compile", "storm", "storm-overlap", "storm-deferred", "fsdp2-offload")
 LEARNING_RATE = 3e-4
 """A usual AdamW rate for models of this size: the loss moves visibly within 100 steps."""
 MODEL_SEED = 0
@@ -127,11 +129,11 @@ def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Ten
 
 
 def _trainer(forward: Callable, optimizer: torch.optim.Optimizer, sync: Callable[[], None],
-             overlapped: OverlappedOptimizer | None = None, streamed: bool = False) -> Callable:
+             overlapped: OverlappedOptimizer | None = None, deferred: bool = False) -> Callable:
     """With ``overlapped``, the last micro-batch's backward steps the streamed parameters;
-    ``streamed``, the micro-batches run in :func:`gradient_accumulation`."""
+    ``deferred``, the micro-batches run in :func:`gradient_accumulation`."""
     def step(micro_batches):
-        with gradient_accumulation() if streamed else contextlib.nullcontext():
+        with gradient_accumulation() if deferred else contextlib.nullcontext():
             for index, (tokens, targets) in enumerate(micro_batches):
                 loss = forward(tokens, targets) / len(micro_batches)
                 last = index == len(micro_batches) - 1
@@ -161,7 +163,8 @@ def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
     return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda micro_batches: None)
 
 
-def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
+def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False,
+           deferred: bool = False) -> _Run:
     _cap(args.cap_gib, cuda)
     model = _model(shape)
     stream_parameters(model, args.device, resident_bytes=args.resident_bytes)
@@ -173,7 +176,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
 
     def observe(graphs: StormGraphs) -> None:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
-        predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap, accumulating=True))
+        predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap, deferred))
         for module in (graphs.forward, graphs.backward):
             for node in module.graph.nodes:
                 if node.op == "call_function" and COST_KEY in node.meta:
@@ -191,7 +194,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False) -> _Run:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
     overlapped = OverlappedOptimizer(optimizer) if overlap else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
-                         overlapped, streamed=True),
+                         overlapped, deferred),
                 predicted_step, op_ms)
 
 
@@ -215,6 +218,7 @@ def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
 
 BUILDERS = {"compile": _compile, "storm": _storm,
             "storm-overlap": functools.partial(_storm, overlap=True),
+            "storm-deferred": functools.partial(_storm, overlap=True, deferred=True),
             "fsdp2-offload": _fsdp2_offload}
 
 

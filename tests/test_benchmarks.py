@@ -161,13 +161,13 @@ def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
 def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     assert streaming.main(["--smoke", "--tokens", "32", "--micro-batches", "2",
                            "--loss-steps", "2", "--loss-tokens", "32", "--steps", "1",
-                           "--methods", "compile,storm,storm-overlap",
+                           "--methods", "compile,storm,storm-overlap,storm-deferred",
                            "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["loss"]["summary"]["storm"]["max_abs_diff"] < 1e-4
-    assert results["loss"]["summary"]["storm-overlap"]["max_abs_diff"] < 1e-4
+    for method in ("storm", "storm-overlap", "storm-deferred"):
+        assert results["loss"]["summary"][method]["max_abs_diff"] < 1e-4
     rows = results["throughput"]
-    assert [r["method"] for r in rows] == ["compile", "storm", "storm-overlap"]
+    assert [r["method"] for r in rows] == ["compile", "storm", "storm-overlap", "storm-deferred"]
     assert all(r["tokens_per_s"] > 0 and r["micro_batches"] == 2 for r in rows)
     for row in rows[1:]:
         assert row["pred_tokens_per_s"] > 0 and row["pred_exposed_ms"] >= 0

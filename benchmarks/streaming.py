@@ -21,9 +21,11 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
 Two parts, both optional:
 
 * loss (``--loss-steps N``): N optimizer steps of one micro-batch of ``--loss-tokens`` tokens,
-  every method's loss of every step, and the largest difference against ``compile``;
-* throughput: for each tokens per micro-batch in ``--tokens`` and micro-batches per optimizer
-  step in ``--micro-batches``, ``--steps`` timed optimizer steps after one untimed one: tokens/s,
+  every method's loss of every step, and the largest difference against ``compile`` (run for
+  the losses whether listed or not);
+* throughput: for each listed method, tokens per micro-batch in ``--tokens`` and micro-batches
+  per optimizer step in ``--micro-batches``, ``--steps`` timed optimizer steps after one
+  untimed one: tokens/s and, when ``compile`` is listed, the ratio to its tokens/s,
   achieved TFLOP/s (model FLOPs: 6 per parameter per token plus causal attention's
   6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory,
   the seconds the method's setup (model, streaming, optimizer) and its first, compiling, step
@@ -114,9 +116,12 @@ class _Run:
     by op, over the graphs the method compiled (empty when unpredicted)."""
 
 
-def _model(shape: LlamaShape) -> nn.Module:
+def _model(shape: LlamaShape, args, on: str) -> nn.Module:
+    """The preset's model on ``on``, its weights drawn on ``args.device`` from ``MODEL_SEED``:
+    every method of a run starts from the same weights, and the GPU draws an 8B model's in
+    well under a second where the host's one generator takes minutes."""
     torch.manual_seed(MODEL_SEED)
-    return Llama(shape, device="cpu", dtype=getattr(torch, shape.dtype))
+    return Llama(shape, device=args.device, dtype=getattr(torch, shape.dtype)).to(on)
 
 
 def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Tensor, ...]]:
@@ -158,7 +163,7 @@ def _cap(gib: float | None, cuda: bool) -> None:
 
 def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
     _cap(None, cuda)
-    model = _model(shape).to(args.device)
+    model = _model(shape, args, args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
     return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda micro_batches: None)
 
@@ -166,7 +171,7 @@ def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
 def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False,
            deferred: bool = False) -> _Run:
     _cap(args.cap_gib, cuda)
-    model = _model(shape)
+    model = _model(shape, args, "cpu")
     stream_parameters(model, args.device, resident_bytes=args.resident_bytes)
     options = {"memory_budget": args.budget} if args.budget is not None else {}
     if not cuda:
@@ -208,7 +213,7 @@ def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29517")
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    model = _model(shape)
+    model = _model(shape, args, "cpu")
     for block in model.blocks:
         fully_shard(block, offload_policy=CPUOffloadPolicy())
     fully_shard(model, offload_policy=CPUOffloadPolicy())
@@ -365,7 +370,9 @@ def _parse(argv):
     parser.add_argument("--cap-gib", type=float, default=16.0,
                         help="GPU memory cap of the storm and fsdp2-offload runs")
     parser.add_argument("--budget", default=None, help="storm's memory_budget (default: none)")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated; the losses are always compared with "
+                             f"{REFERENCE}'s, the throughput with {REFERENCE}'s when it is listed")
     parser.add_argument("--tokens", default="", help="comma-separated tokens per micro-batch")
     parser.add_argument("--micro-batches", default="1", help="comma-separated, per step")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per point")
@@ -378,7 +385,8 @@ def _parse(argv):
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run of the harness")
     parser.add_argument("--out", type=Path, default=Path("bench-out/streaming"))
     args = parser.parse_args(argv)
-    args.methods = [REFERENCE] + [m for m in args.methods.split(",") if m and m != REFERENCE]
+    args.methods = list(dict.fromkeys(m for m in args.methods.split(",") if m))
+    args.loss_methods = list(dict.fromkeys([REFERENCE, *args.methods]))
     unknown = [m for m in args.methods if m not in BUILDERS]
     if unknown:
         parser.error(f"unknown method(s) {unknown}; known: {', '.join(BUILDERS)}")
@@ -418,7 +426,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"streaming: --reference-losses {args.reference_losses} ran "
                              f"another shape")
         runs[REFERENCE] = saved["loss"]["runs"][REFERENCE]
-    for method in args.methods if args.loss_steps else ():
+    for method in args.loss_methods if args.loss_steps else ():
         if method not in runs:
             runs[method] = _losses(shape, args, cuda, method)
         results["loss"] = _loss_summary(runs)

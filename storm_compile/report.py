@@ -311,7 +311,7 @@ def throughput_row(summary: dict[str, object], step: StepPrediction) -> dict[str
     return {**{k: summary[k] for k in THROUGHPUT_FIELDS if k in summary},
             "micro_batches": step.micro_batches, "predicted_tokens_per_s": tokens / step.step_s,
             "optimizer_step_ms": step.step_s * MS, "micro_batch_ms": step.micro_batch_s * MS,
-            "optimizer_ms": step.optimizer_s * MS}
+            "host_wait_ms": step.host_wait_s * MS, "optimizer_ms": step.optimizer_s * MS}
 
 
 def format_throughput(rows: list[dict[str, object]]) -> str:

@@ -158,6 +158,16 @@ def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
     assert "no CUDA device" in err and len(err.strip().splitlines()) == 1
 
 
+def test_streaming_runs_only_the_listed_methods_for_throughput(tmp_path):
+    """compile is the losses' reference, not a throughput row of its own: a large preset's run
+    need not build and compile the whole model on the device first."""
+    assert streaming.main(["--smoke", "--tokens", "32", "--steps", "1", "--methods", "storm",
+                           "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in results["throughput"]] == ["storm"]
+    assert "loss" not in results
+
+
 def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     assert streaming.main(["--smoke", "--tokens", "32", "--micro-batches", "2",
                            "--loss-steps", "2", "--loss-tokens", "32", "--steps", "1",

@@ -627,6 +627,13 @@ def test_throughput_over_micro_batches_spreads_the_host_optimizer(capsys):
     overlapped = json.loads(capsys.readouterr().out)
     assert all(r["optimizer_ms"] == 0 for r in overlapped)
     assert overlapped[0]["optimizer_step_ms"] <= one["optimizer_step_ms"]
+    assert main([*argv, "--accumulate"]) == 0
+    deferred = json.loads(capsys.readouterr().out)
+    assert four["host_wait_ms"] > 0
+    assert all(r["host_wait_ms"] == 0 for r in deferred)
+    assert deferred[1]["optimizer_step_ms"] < four["optimizer_step_ms"]
+    assert deferred[0]["optimizer_step_ms"] == pytest.approx(one["optimizer_step_ms"]), \
+        "one micro-batch is its own last: it waits"
 
 
 def test_trace_of_a_streamed_model_has_the_host_threads_work(capsys, tmp_path):

@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import gc
 import json
+import logging
 import os
 import platform
 import statistics
@@ -382,6 +383,10 @@ def _parse(argv):
                         help=f"results.json of an earlier run of the same shape and steps: its "
                              f"{REFERENCE} losses are the reference, and {REFERENCE} is not "
                              f"trained again")
+    parser.add_argument("--log", type=Path, default=None,
+                        help="write the storm_compile logger's DEBUG lines (among them one per "
+                             "gradient added on the host: bytes, wait for its copy, addition "
+                             "time, jobs queued) to this file")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run of the harness")
     parser.add_argument("--out", type=Path, default=Path("bench-out/streaming"))
     args = parser.parse_args(argv)
@@ -413,6 +418,12 @@ def main(argv=None) -> int:
     args.resident_bytes = DEFAULT_RESIDENT_BYTES if cuda else SMOKE_RESIDENT_BYTES
     args.sync = torch.cuda.synchronize if cuda else (lambda: None)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.log is not None:
+        handler = logging.FileHandler(args.log, mode="w")
+        handler.setFormatter(logging.Formatter("%(relativeCreated).1f ms %(message)s"))
+        logger = logging.getLogger("storm_compile")
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
     shape = _shape(args, args.loss_tokens)
     results = {"environment": {"torch": torch.__version__, "python": platform.python_version(),
                                "device": torch.cuda.get_device_name() if cuda

@@ -14,6 +14,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -137,7 +138,9 @@ class HostAdder:
     A parameter whose ``.grad`` is None gets a buffer this object keeps for it, reused from
     step to step while nothing else holds it (after ``zero_grad``): a fresh host allocation of
     a model's gradients would pay its page faults at every step. An error on the thread is
-    raised by the next :meth:`join`.
+    raised by the next :meth:`join`. At ``DEBUG`` level the ``storm_compile`` logger gets a line
+    per addition: its bytes, how long it waited for its copy, how long the addition took, and
+    how many jobs were still queued (the thread falling behind shows as a growing queue).
     """
 
     def __init__(self) -> None:
@@ -198,10 +201,11 @@ class HostAdder:
             try:
                 if job is not None:
                     x, param, event, counted = job
+                    begin = time.perf_counter()
                     while event is not None and not event.query():
                         if not self._step_one():
                             event.synchronize()
-                    self._add_now(x, param, counted)
+                    self._add_now(x, param, counted, time.perf_counter() - begin)
                 while self._step_one():
                     pass
             except BaseException as error:  # noqa: BLE001 - handed to join
@@ -223,9 +227,12 @@ class HostAdder:
         pending.step(pending.param)
         return True
 
-    def _add_now(self, x: torch.Tensor, param: torch.Tensor, counted: bool) -> None:
-        """Add ``x`` into ``param.grad``; ``counted``: an addition its pending step waits for
-        (an earlier micro-batch's, still queued, is not one)."""
+    def _add_now(self, x: torch.Tensor, param: torch.Tensor, counted: bool,
+                 waited_s: float = 0.0) -> None:
+        """Add ``x`` into ``param.grad``, ``waited_s`` after its job started waiting for its
+        copy; ``counted``: an addition its pending step waits for (an earlier micro-batch's,
+        still queued, is not one)."""
+        begin = time.perf_counter()
         with torch.no_grad():
             if param.grad is not None:
                 param.grad.add_(x)
@@ -239,6 +246,10 @@ class HostAdder:
         if counted:
             with self._lock:
                 self._steps[id(param)].adds_left -= 1
+        log.debug("storm: gradient of %d bytes waited %.3f ms for its copy home, added in "
+                  "%.3f ms; %d jobs queued",
+                  x.numel() * x.element_size(), waited_s * 1e3,
+                  (time.perf_counter() - begin) * 1e3, self._jobs.qsize())
 
 
 class TransferRuntime:

@@ -4,6 +4,7 @@ model they came from, in eager mode, under aot_eager and under storm."""
 import contextlib
 import copy
 import dataclasses
+import logging
 import re
 import threading
 import time
@@ -509,6 +510,19 @@ def test_deferred_backwards_leave_the_additions_to_the_block_end_or_the_optimize
                 optimizer.step()
                 torch.testing.assert_close(weight.detach(), torch.full((2,), -1.0))
         torch.testing.assert_close(weight.grad, torch.ones(2))
+
+
+def test_host_adder_logs_each_addition_at_debug_level(caplog):
+    adder = HostAdder()
+    weight = torch.zeros(4, requires_grad=True)
+    copy = _Copy()
+    copy.done.set()
+    with caplog.at_level(logging.DEBUG, logger="storm_compile"):
+        adder.add(torch.ones(4), weight, copy)
+        adder.join()
+    (line,) = [r.getMessage() for r in caplog.records if "gradient of" in r.getMessage()]
+    assert re.fullmatch(r"storm: gradient of 16 bytes waited [0-9.]+ ms for its copy home, "
+                        r"added in [0-9.]+ ms; 0 jobs queued", line), line
 
 
 def test_host_adder_steps_after_the_additions_it_was_given_not_an_earlier_micro_batchs():

@@ -34,11 +34,12 @@ Two parts, both optional:
   forward and backward, the host thread's additions and the host AdamW, overlapped or after,
   as :func:`storm_compile.simulate.predict_step` predicts it) with where it predicts the step
   waits: on copies (exposed transfers) and on the host (additions and optimizer), and in
-  ``results.json`` the ops it predicts the most compute time for.
+  ``results.json`` the ops it predicts the most compute time for; with ``--profile``, one more
+  step of the listed methods traced, and where its compute stream sat idle.
 
     python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
         [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]
-        [--reference-losses earlier/results.json]
+        [--reference-losses earlier/results.json] [--profile storm] [--log host.log]
 
 ``--smoke`` runs the harness on the CPU (tiny preset, storm with ``transfer_cpu_tensors``).
 Writes ``results.json`` and ``results.md`` after every row.
@@ -68,6 +69,7 @@ from torch import nn
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
+from benchmarks.trace_analysis import analyse
 from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
 from storm_compile.graphs import COST_KEY, StormGraphs
@@ -304,6 +306,9 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
                    tflops=_model_flops(shape, tokens) / step / 1e12,
                    optimizer_ms=min(optimizer_s) * MS,
                    peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
+        if method in args.profile:
+            row.update(_profile(run, batches, args, cuda,
+                                args.out / f"trace_{method}_{row['tokens']}x{micro_batches}.json"))
         predicted = run.predicted(micro_batches)
         if predicted is not None:
             row.update(pred_tokens_per_s=tokens / predicted.step_s,
@@ -316,6 +321,25 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
         row["error"] = error_line(error)
     _release()
     return row
+
+
+def _profile(run: _Run, batches, args, cuda: bool, trace: Path) -> dict:
+    """One more optimizer step under ``torch.profiler``, its Chrome trace written to ``trace``;
+    on CUDA, where the compute stream sat idle (:func:`benchmarks.trace_analysis.analyse`)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        run.step(batches)
+    prof.export_chrome_trace(str(trace))
+    figures = {"trace": str(trace)}
+    if cuda:
+        overlap = analyse(trace)
+        figures.update(compute_busy_fraction=overlap.compute_busy_fraction,
+                       idle_ms=overlap.idle_us / MS, idle_on_d2h_ms=overlap.idle_on_d2h_us / MS,
+                       idle_on_h2d_ms=overlap.idle_on_h2d_us / MS,
+                       d2h_ms=overlap.d2h_us / MS, h2d_ms=overlap.h2d_us / MS)
+    return figures
 
 
 def markdown(results: dict) -> str:
@@ -387,6 +411,11 @@ def _parse(argv):
                         help="write the storm_compile logger's DEBUG lines (among them one per "
                              "gradient added on the host: bytes, wait for its copy, addition "
                              "time, jobs queued) to this file")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated methods whose each throughput point also profiles "
+                             "one more step: its trace in --out, and in results.json the compute "
+                             "stream's busy fraction and idle time, split by the copy it waited "
+                             "on (home, to the device, none)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run of the harness")
     parser.add_argument("--out", type=Path, default=Path("bench-out/streaming"))
     args = parser.parse_args(argv)
@@ -395,6 +424,10 @@ def _parse(argv):
     unknown = [m for m in args.methods if m not in BUILDERS]
     if unknown:
         parser.error(f"unknown method(s) {unknown}; known: {', '.join(BUILDERS)}")
+    args.profile = [m for m in args.profile.split(",") if m]
+    unprofiled = [m for m in args.profile if m not in args.methods]
+    if unprofiled:
+        parser.error(f"--profile {','.join(unprofiled)}: not among --methods")
     args.tokens, args.micro_batches = _ints(args.tokens), _ints(args.micro_batches)
     return args
 

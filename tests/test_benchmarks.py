@@ -94,6 +94,25 @@ def test_overlap_maths(tmp_path):
     assert overlap.copy_overlap_fraction == pytest.approx(70 / 140)
 
 
+def test_idle_compute_is_put_down_to_the_copy_it_waited_on(tmp_path):
+    """Three gaps on the compute stream: one ends as a copy home ends, one as a copy to the
+    device ends, one as nothing does; a copy on the compute stream itself is its own work."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        _event("kernel", "gemm", 0, 100, 7),
+        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 100, 60, 20),
+        _event("kernel", "gemm", 170, 30, 7),
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 150, 130, 21),
+        _event("kernel", "gemm", 300, 50, 7),
+        _event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 350, 10, 7),
+        _event("kernel", "gemm", 600, 20, 7),
+    ]}))
+    overlap = analyse(trace)
+    assert overlap.idle_on_d2h_us == 70 and overlap.idle_on_h2d_us == 100
+    assert overlap.idle_us == 70 + 100 + 240
+    assert overlap.compute_busy_fraction == pytest.approx((100 + 30 + 50 + 10 + 20) / 620)
+
+
 def test_planning_time_sums_the_pass_records(capsys):
     """One block of the benchmark shape: seconds per pass from the graphs' records, each pass
     once (summed over its runs), then the planner's total."""
@@ -160,12 +179,22 @@ def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
 
 def test_streaming_runs_only_the_listed_methods_for_throughput(tmp_path):
     """compile is the losses' reference, not a throughput row of its own: a large preset's run
-    need not build and compile the whole model on the device first."""
+    need not build and compile the whole model on the device first. A listed method can be
+    profiled."""
     assert streaming.main(["--smoke", "--tokens", "32", "--steps", "1", "--methods", "storm",
-                           "--out", str(tmp_path)]) == 0
+                           "--profile", "storm", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
-    assert [r["method"] for r in results["throughput"]] == ["storm"]
+    (row,) = results["throughput"]
+    assert row["method"] == "storm"
     assert "loss" not in results
+    trace = json.loads((tmp_path / "trace_storm_32x1.json").read_text())
+    assert row["trace"].endswith("trace_storm_32x1.json") and trace["traceEvents"]
+
+
+def test_streaming_profiles_only_methods_it_runs(capsys):
+    with pytest.raises(SystemExit):
+        streaming.main(["--smoke", "--methods", "storm", "--profile", "storm-overlap"])
+    assert "--profile storm-overlap: not among --methods" in capsys.readouterr().err
 
 
 def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):

@@ -33,8 +33,9 @@ Two parts, both optional:
   and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches'
   forward and backward, the host thread's additions and the host AdamW, overlapped or after,
   as :func:`storm_compile.simulate.predict_step` predicts it) with where it predicts the step
-  waits: on copies (exposed transfers) and on the host (additions and optimizer), and in
-  ``results.json`` the ops it predicts the most compute time for; with ``--profile``, one more
+  waits: on copies (exposed transfers) and on the host (additions and optimizer), its predicted
+  device peak (the largest of its graphs'), and in ``results.json`` the ops it predicts the
+  most compute time for; with ``--profile``, one more
   step of the listed methods traced, and where its compute stream sat idle.
 
     python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
@@ -75,7 +76,7 @@ from storm_compile.config import StormConfig
 from storm_compile.graphs import COST_KEY, StormGraphs
 from storm_compile.models import LLAMA_PRESETS, LlamaShape, Llama
 from storm_compile.prediction import StepPrediction
-from storm_compile.simulate import predict_step
+from storm_compile.simulate import device_bytes, predict_step, simulate
 from storm_compile.streaming import (
     DEFAULT_RESIDENT_BYTES,
     OverlappedOptimizer,
@@ -117,6 +118,8 @@ class _Run:
     op_ms: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Predicted milliseconds of one micro-batch's forward and backward on the compute stream,
     by op, over the graphs the method compiled (empty when unpredicted)."""
+    peaks: list[int] = dataclasses.field(default_factory=list)
+    """Each compiled graph's predicted device peak, bytes (empty when unpredicted)."""
 
 
 def _model(shape: LlamaShape, args, on: str) -> nn.Module:
@@ -180,11 +183,13 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False,
     if not cuda:
         options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
     predicted: list[StepPrediction] = []
+    peaks: list[int] = []
     op_ms: collections.Counter = collections.Counter()
 
     def observe(graphs: StormGraphs) -> None:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
         predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap, deferred))
+        peaks.append(device_bytes(graphs, simulate(graphs, backend.ctx.cost)))
         for module in (graphs.forward, graphs.backward):
             for node in module.graph.nodes:
                 if node.op == "call_function" and COST_KEY in node.meta:
@@ -203,7 +208,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False,
     overlapped = OverlappedOptimizer(optimizer) if overlap else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
                          overlapped, deferred),
-                predicted_step, op_ms)
+                predicted_step, op_ms, peaks)
 
 
 def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
@@ -316,6 +321,7 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
                        pred_exposed_ms=predicted.micro_batches
                        * predicted.exposed_transfer_s * MS,
                        pred_host_ms=predicted.host_s * MS,
+                       pred_peak_gib=max(run.peaks) / GIB,
                        pred_op_ms=dict(run.op_ms.most_common(OPS_REPORTED)))
     except Exception as error:  # noqa: BLE001 - a failing method is a result, not a crash
         row["error"] = error_line(error)
@@ -367,7 +373,9 @@ def markdown(results: dict) -> str:
                      f"{row['tokens_per_s']:.0f}",
                      "" if base is None else f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}",
                      f"{row['tflops']:.1f}", f"{row['optimizer_ms']:.0f}",
-                     "" if row["peak_gib"] is None else f"{row['peak_gib']:.2f}",
+                     " ".join(([] if row["peak_gib"] is None else [f"{row['peak_gib']:.2f}"])
+                              + ([f"({row['pred_peak_gib']:.2f})"] if "pred_peak_gib" in row
+                                 else [])),
                      f"{row['pred_tokens_per_s']:.0f} ({row['pred_error']:+.0%})"
                      if "pred_tokens_per_s" in row else "",
                      f"{row['pred_exposed_ms']:.0f} / {row['pred_host_ms']:.0f}"
@@ -376,7 +384,7 @@ def markdown(results: dict) -> str:
     if rows:
         parts.append(tabulate(rows, headers=["method", "tokens/µbatch", "µbatches", "tokens/s",
                                              f"× {REFERENCE}", "TFLOP/s", "optimizer ms",
-                                             "peak GiB", "predicted tokens/s",
+                                             "peak GiB (predicted)", "predicted tokens/s",
                                              "predicted copy / host waits ms",
                                              "build / first step s"],
                               tablefmt="github"))

@@ -185,7 +185,7 @@ def test_streaming_runs_only_the_listed_methods_for_throughput(tmp_path):
                            "--profile", "storm", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     (row,) = results["throughput"]
-    assert row["method"] == "storm"
+    assert row["method"] == "storm" and row["pred_peak_gib"] > 0
     assert "loss" not in results
     trace = json.loads((tmp_path / "trace_storm_32x1.json").read_text())
     assert row["trace"].endswith("trace_storm_32x1.json") and trace["traceEvents"]

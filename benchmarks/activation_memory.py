@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 import torch.utils.checkpoint
 from tabulate import tabulate
 
-from benchmarks.trace_analysis import analyse
+from benchmarks.trace_analysis import profiled
 from storm_compile.backend import StormBackend
 from storm_compile.config import CPU_PLANNING, PRESETS, StormConfig
 from storm_compile.graphs import StormGraphs
@@ -345,25 +345,8 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
     if method.predict is not None:
         result.update(method.predict())
     if method.name in args.profile:
-        result.update(_profile(step, dev, out_dir / f"trace_{config_name}_{method.name}.json"))
+        result.update(profiled(step, dev.cuda, out_dir / f"trace_{config_name}_{method.name}.json"))
     return result
-
-
-def _profile(step: Callable[[], object], dev: _Device, trace: Path) -> dict:
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if dev.cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        step()
-        dev.sync()
-    prof.export_chrome_trace(str(trace))
-    figures = {"trace": str(trace)}
-    if dev.cuda:
-        overlap = analyse(trace)
-        figures.update(compute_busy_fraction=overlap.compute_busy_fraction,
-                       d2h_ms=overlap.d2h_us / MS, h2d_ms=overlap.h2d_us / MS,
-                       copy_overlap_fraction=overlap.copy_overlap_fraction)
-    return figures
 
 
 def _grad_error(grads: dict, reference: dict) -> float:

@@ -35,8 +35,8 @@ Two parts, both optional:
   as :func:`storm_compile.simulate.predict_step` predicts it) with where it predicts the step
   waits: on copies (exposed transfers) and on the host (additions and optimizer), its predicted
   device peak (the largest of its graphs'), and in ``results.json`` the ops it predicts the
-  most compute time for; with ``--profile``, one more
-  step of the listed methods traced, and where its compute stream sat idle.
+  most compute time for; with ``--profile``, one more step of the listed methods traced, and
+  where its compute stream sat idle.
 
     python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
         [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]
@@ -70,7 +70,7 @@ from torch import nn
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
-from benchmarks.trace_analysis import analyse
+from benchmarks.trace_analysis import profiled
 from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
 from storm_compile.graphs import COST_KEY, StormGraphs
@@ -312,7 +312,7 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
                    optimizer_ms=min(optimizer_s) * MS,
                    peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
         if method in args.profile:
-            row.update(_profile(run, batches, args, cuda,
+            row.update(profiled(lambda: run.step(batches), cuda,
                                 args.out / f"trace_{method}_{row['tokens']}x{micro_batches}.json"))
         predicted = run.predicted(micro_batches)
         if predicted is not None:
@@ -327,25 +327,6 @@ def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
         row["error"] = error_line(error)
     _release()
     return row
-
-
-def _profile(run: _Run, batches, args, cuda: bool, trace: Path) -> dict:
-    """One more optimizer step under ``torch.profiler``, its Chrome trace written to ``trace``;
-    on CUDA, where the compute stream sat idle (:func:`benchmarks.trace_analysis.analyse`)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        run.step(batches)
-    prof.export_chrome_trace(str(trace))
-    figures = {"trace": str(trace)}
-    if cuda:
-        overlap = analyse(trace)
-        figures.update(compute_busy_fraction=overlap.compute_busy_fraction,
-                       idle_ms=overlap.idle_us / MS, idle_on_d2h_ms=overlap.idle_on_d2h_us / MS,
-                       idle_on_h2d_ms=overlap.idle_on_h2d_us / MS,
-                       d2h_ms=overlap.d2h_us / MS, h2d_ms=overlap.h2d_us / MS)
-    return figures
 
 
 def markdown(results: dict) -> str:

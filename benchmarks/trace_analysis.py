@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+US_PER_MS = 1e3
 KERNEL_CATEGORY = "kernel"
 MEMCPY_CATEGORY = "gpu_memcpy"
 RESUME_US = 50.0
@@ -98,3 +102,28 @@ def _idle(compute: list[tuple[float, float]], copies: list[dict]) -> dict[str, f
         direction = "other" if last is None else ("DtoH" if "DtoH" in last["name"] else "HtoD")
         idle[direction] += gap_end - gap_start
     return idle
+
+
+def profiled(step: Callable[[], object], cuda: bool, trace: Path) -> dict:
+    """Run ``step`` once under ``torch.profiler`` and write its Chrome trace to ``trace``; the
+    figures a benchmark row gets: the trace's path, and on CUDA (:func:`analyse`) the compute
+    stream's busy fraction, D2H and H2D copy time, the fraction of copy time hidden, and the
+    compute stream's idle time, split by the copy it waited on, in milliseconds."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    figures: dict = {"trace": str(trace)}
+    if cuda:
+        overlap = analyse(trace)
+        figures.update(compute_busy_fraction=overlap.compute_busy_fraction,
+                       d2h_ms=overlap.d2h_us / US_PER_MS, h2d_ms=overlap.h2d_us / US_PER_MS,
+                       copy_overlap_fraction=overlap.copy_overlap_fraction,
+                       idle_ms=overlap.idle_us / US_PER_MS,
+                       idle_on_d2h_ms=overlap.idle_on_d2h_us / US_PER_MS,
+                       idle_on_h2d_ms=overlap.idle_on_h2d_us / US_PER_MS)
+    return figures

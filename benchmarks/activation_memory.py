@@ -7,12 +7,14 @@ memory (allocated at the end of the forward above weights and input, the
 output included: what the step holds for the backward), peak memory of the step (same baseline,
 after ``reset_peak_memory_stats``), pinned host memory in use, and the relative gradient error
 against torch.compile. ``--profile`` adds, per profiled method, the compute stream's busy
-fraction, D2H and H2D copy time and the fraction of copy time overlapping compute kernels.
+fraction, D2H and H2D copy time and the fraction of copy time overlapping compute kernels. ``--loss-steps N`` then trains each method's
+model for N AdamW steps on its batch and reports the largest relative loss difference against
+torch.compile's over those steps.
 
     python -m benchmarks.activation_memory --quick --out DIR      # smallest configuration
     python -m benchmarks.activation_memory --configs wide --methods compile,storm --profile storm
     python -m benchmarks.activation_memory --smoke --out DIR      # CPU: the harness itself
-    python -m benchmarks.activation_memory --nproc 2 --quick      # every method under DDP and FSDP2
+    python -m benchmarks.activation_memory --nproc 2 --quick --loss-steps 50   # under DDP and FSDP2
 
 With ``--nproc N`` the run spawns N ranks on this machine (one GPU each, NCCL; gloo with
 ``--smoke``) and runs every method under each of ``--engines``: DDP (its default
@@ -21,7 +23,8 @@ the whole model compiled). Each rank trains on its own batch; the table shows ra
 figures, the step time as the slowest rank's, and gradient errors on the full gradients.
 
 Writes ``results.md`` (tabulate, ratios against torch.compile of the same run), ``results.json``
-(every raw number and the environment) and, with matplotlib, ``pareto_<config>.png``.
+(every raw number and the environment) and, with matplotlib, ``pareto_<config>.png``; both files
+are rewritten after each method, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ LINK_PROBE_BYTES = 256 << 20
 """Size of the copies that measure the link at start: large enough to be bandwidth-bound
 (a 64 MiB copy already runs at full rate on the H100)."""
 REFERENCE = "compile"
+LOSS_LR = 1e-4
+"""AdamW's learning rate in ``--loss-steps`` runs: the loss moves visibly within 50 steps
+without leaving the range where bf16 rounding, not divergence, separates the methods."""
 
 CONFIGS: dict[str, GPTShape] = {
     "d2048-T2048-L8-B4": GPTShape(d_model=2048, layers=8, heads=16, seq=2048, batch=4,
@@ -346,7 +352,29 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
         result.update(method.predict())
     if method.name in args.profile:
         result.update(profiled(step, dev.cuda, out_dir / f"trace_{config_name}_{method.name}.json"))
+    if args.loss_steps:
+        result["losses"] = _train(model, run, x, method, args.loss_steps)
     return result
+
+
+def _train(model: torch.nn.Module, run: Callable, x: torch.Tensor, method: Method,
+           steps: int) -> list[float]:
+    """This rank's loss at each of ``steps`` AdamW steps of ``run`` on its batch ``x``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LOSS_LR)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        with method.step_context():
+            loss = run(x).float().pow(2).mean()
+            loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _loss_error(losses: list[float], reference: list[float]) -> float:
+    """Largest relative difference of two loss trajectories, step by step."""
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
 
 
 def _grad_error(grads: dict, reference: dict) -> float:
@@ -370,27 +398,28 @@ def _link_bandwidth() -> dict:
 
 
 def run_config(name: str, shape: GPTShape, chosen: list[Method], dev: _Device, args,
-               out_dir: Path, engine: str | None = None) -> list[dict]:
-    rows = []
-    reference_grads = None
+               out_dir: Path, engine: str | None = None) -> Iterator[dict]:
+    """Each method's row, as it is measured."""
+    reference_grads = reference_losses = None
     for method in chosen:
         try:
-            rows.append(run_method(method, shape, dev, args, out_dir, name, reference_grads,
-                                   engine))
+            row = run_method(method, shape, dev, args, out_dir, name, reference_grads, engine)
             if method.name == REFERENCE:
-                reference_grads = rows[-1].pop("grads")
+                reference_grads = row.pop("grads")
+                reference_losses = row.get("losses")
+            elif reference_losses is not None:
+                row["loss_rel_error"] = _loss_error(row["losses"], reference_losses)
         except Exception as error:  # a failing method is reported in its row; the run goes on
             cause = getattr(error, "inner_exception", None) or error
             first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-            rows.append({"method": method.name, "error": f"{type(cause).__name__}: {first_line}"})
+            row = {"method": method.name, "error": f"{type(cause).__name__}: {first_line}"}
         finally:
             if dev.cuda:
                 torch.cuda.empty_cache()
-        if dist.is_initialized() and dist.get_rank():
-            continue
-        print(f"[{name}] {rows[-1]['method']}: "
-              f"{rows[-1].get('error') or '%.2f ms' % rows[-1]['step_ms']}", flush=True)
-    return rows
+        if not dist.is_initialized() or not dist.get_rank():
+            print(f"[{name}] {row['method']}: {row.get('error') or '%.2f ms' % row['step_ms']}",
+                  flush=True)
+        yield row
 
 
 def _ratio(value, reference):
@@ -415,6 +444,7 @@ def markdown(results: dict) -> str:
                 "peak GiB": r["peak_gib"], "peak ×": _ratio(r["peak_gib"], ref.get("peak_gib")),
                 "pinned GiB": r["pinned_gib"], "pins/step": r["pinnings_per_step"],
                 "grad err": r.get("grad_rel_error"),
+                "loss err": r.get("loss_rel_error"),
                 "busy": r.get("compute_busy_fraction"),
                 "copy overlap": r.get("copy_overlap_fraction"),
             })
@@ -486,6 +516,9 @@ def _parse(argv):
                         help="CPU smoke test of the harness: tiny model, two steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--loss-steps", type=int, default=0,
+                        help="then train each method this many AdamW steps and compare its "
+                             "losses with torch.compile's")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--nproc", type=int, default=1,
                         help="ranks on this machine, one GPU each (gloo on the CPU with "
@@ -572,20 +605,24 @@ def _run(args, dev: _Device, engines: list[str | None]) -> None:
                    "ranks": args.nproc}
     if dev.cuda:
         environment["link"] = _link_bandwidth()
-    results = {"environment": environment, "configs": {}}
+    results = {"environment": environment, "configs": {}, "shapes": {}}
     for name, shape in configs.items():
         for engine in engines:
             key = name if engine is None else f"{name}-{engine}"
-            results["configs"][key] = run_config(name, shape, chosen, dev, args, args.out,
-                                                 engine)
-            results.setdefault("shapes", {})[key] = dataclasses.asdict(shape)
-    if not writes:
-        return
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (args.out / "results.md").write_text(table)
-    plot(results, args.out)
-    print(table)
+            results["shapes"][key] = dataclasses.asdict(shape)
+            rows = results["configs"][key] = []
+            for row in run_config(name, shape, chosen, dev, args, args.out, engine):
+                rows.append(row)
+                if writes:
+                    _write(results, args.out)
+    if writes:
+        plot(results, args.out)
+        print(markdown(results))
+
+
+def _write(results: dict, out_dir: Path) -> None:
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "results.md").write_text(markdown(results))
 
 
 if __name__ == "__main__":

@@ -30,13 +30,31 @@ def test_smoke_writes_table_and_json(tmp_path):
 def test_smoke_runs_every_method_under_each_engine_on_two_ranks(tmp_path):
     methods = ["compile", "checkpoint", "storm-budget-0.5"]
     assert activation_memory.main(["--smoke", "--nproc", "2", "--methods", ",".join(methods),
-                                   "--out", str(tmp_path)]) == 0
+                                   "--loss-steps", "3", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["environment"]["ranks"] == 2
     assert sorted(results["configs"]) == ["smoke-ddp", "smoke-fsdp2"]
     for rows in results["configs"].values():
         assert [r["method"] for r in rows] == methods and not [r for r in rows if "error" in r]
         assert all(r["grad_rel_error"] < 1e-3 for r in rows[1:])
+        assert all(len(r["losses"]) == 3 for r in rows)
+        assert rows[0]["losses"][-1] < rows[0]["losses"][0], "AdamW lowers the loss"
+        assert all(r["loss_rel_error"] < 1e-3 for r in rows[1:])
+    assert "loss err" in (tmp_path / "results.md").read_text()
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    def interrupted(model):
+        raise KeyboardInterrupt
+
+    table = activation_memory.methods(cpu=True)
+    table["eager"] = activation_memory.Method("eager", interrupted)
+    monkeypatch.setattr(activation_memory, "methods", lambda cpu=False: table)
+    with pytest.raises(KeyboardInterrupt):
+        activation_memory.main(["--smoke", "--methods", "storm,eager", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["configs"]["smoke"]
+    assert [r["method"] for r in rows] == ["compile", "storm"]
+    assert "| storm " in (tmp_path / "results.md").read_text()
 
 
 def test_every_storm_preset_is_a_method():

@@ -175,19 +175,35 @@ class _StormRun:
         self.simulated.append((simulate(graphs, self.backend.ctx.cost), graphs.plan))
 
     def predict(self) -> dict:
-        cost = self.backend.ctx.cost
-        ours, plan = self.simulated[0]
-        baseline = plan.baseline
-        return {"profile": cost.profile.name, "pred_step_ms": ours.step_s * MS,
-                "pred_exposed_ms": ours.exposed_transfer_s * MS,
-                "pred_activation_gib": ours.activation_bytes / GIB,
-                "pred_peak_gib": ours.peak_bytes / GIB,
-                "pred_baseline_step_ms": baseline.step_s * MS,
-                "pred_baseline_activation_gib": baseline.activation_bytes / GIB,
-                "pred_baseline_peak_gib": baseline.peak_bytes / GIB,
-                "pred_offloaded_gib": ours.offloaded_bytes / GIB,
-                "pred_recomputed_gib": plan.recompute_bytes / GIB,
-                "budget_gib": None if plan.target_bytes is None else plan.target_bytes / GIB}
+        """The step's predictions over every graph it compiled (DDP makes one per bucket):
+        times and bytes summed, the peak where one graph's peak sits on the activations the
+        graphs before it hold."""
+        ours = [prediction for prediction, _ in self.simulated]
+        plans = [plan for _, plan in self.simulated]
+        baseline = [plan.baseline for plan in plans]
+        targets = [plan.target_bytes for plan in plans if plan.target_bytes is not None]
+        return {"profile": self.backend.ctx.cost.profile.name,
+                "graphs": len(ours),
+                "pred_step_ms": sum(p.step_s for p in ours) * MS,
+                "pred_exposed_ms": sum(p.exposed_transfer_s for p in ours) * MS,
+                "pred_activation_gib": sum(p.activation_bytes for p in ours) / GIB,
+                "pred_peak_gib": _stacked_peak(ours) / GIB,
+                "pred_baseline_step_ms": sum(p.step_s for p in baseline) * MS,
+                "pred_baseline_activation_gib": sum(p.activation_bytes for p in baseline) / GIB,
+                "pred_baseline_peak_gib": _stacked_peak(baseline) / GIB,
+                "pred_offloaded_gib": sum(p.offloaded_bytes for p in ours) / GIB,
+                "pred_recomputed_gib": sum(plan.recompute_bytes for plan in plans) / GIB,
+                "budget_gib": sum(targets) / GIB if targets else None}
+
+
+def _stacked_peak(predictions: list[Prediction]) -> int:
+    """The step's peak when its graphs run one after another, each holding its activations
+    for the backward: graph ``k``'s peak above the activations of graphs ``0..k-1``."""
+    held, peak = 0, 0
+    for prediction in predictions:
+        peak = max(peak, held + prediction.peak_bytes)
+        held += prediction.activation_bytes
+    return peak
 
 
 CPU_STORM_OPTIONS = {**CPU_PLANNING, "min_offload_bytes": 0}
@@ -450,7 +466,7 @@ def markdown(results: dict) -> str:
             })
         parts.append(f"### {name}\n\n" + tabulate(table, headers="keys", tablefmt="github",
                                                     floatfmt=".3g", missingval="") + "\n")
-        predicted = [{"method": r["method"], "profile": r["profile"],
+        predicted = [{"method": r["method"], "profile": r["profile"], "graphs": r["graphs"],
                       "step ms (pred / meas / back-to-back)":
                           f"{r['pred_step_ms']:.1f} / {r['step_ms']:.1f} / "
                           f"{r['back_to_back_step_ms']:.1f}",

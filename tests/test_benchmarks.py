@@ -8,6 +8,7 @@ import torch
 from benchmarks import activation_memory, optimizer, streaming
 from benchmarks.trace_analysis import analyse
 from storm_compile.config import PRESETS
+from storm_compile.prediction import Prediction
 
 
 def test_smoke_writes_table_and_json(tmp_path):
@@ -55,6 +56,19 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "results.json").read_text())["configs"]["smoke"]
     assert [r["method"] for r in rows] == ["compile", "storm"]
     assert "| storm " in (tmp_path / "results.md").read_text()
+
+
+def _prediction(activation: int, peak: int) -> Prediction:
+    return Prediction(step_s=1.0, forward_s=0.5, exposed_transfer_s=0.0,
+                      activation_bytes=activation, peak_bytes=peak, offloaded_bytes=0,
+                      host_wait_s=0.0, timings=(), copies=(), host=())
+
+
+def test_a_steps_predicted_peak_stacks_each_graph_on_the_activations_before_it():
+    graphs = [_prediction(activation=4, peak=6), _prediction(activation=3, peak=5),
+              _prediction(activation=1, peak=2)]
+    assert activation_memory._stacked_peak(graphs) == 9      # 4 held + the second's 5
+    assert activation_memory._stacked_peak(graphs[:1]) == 6
 
 
 def test_every_storm_preset_is_a_method():

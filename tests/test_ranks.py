@@ -74,6 +74,13 @@ def _moved(planned: list) -> int:
                for g in planned)
 
 
+def _largest_difference(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Largest difference of any gradient from its reference, relative to the reference's
+    largest entry."""
+    return max(((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30)).item()
+               for ours, theirs in pairs)
+
+
 def _options(device: str, budget: float) -> dict:
     return {**(CPU_BUDGETED if device == "cpu" else BUDGETED), "memory_budget": budget}
 
@@ -102,8 +109,9 @@ def _ddp(rank: int, device: str, budget: float, python_reducer: bool = False) ->
         return {"error": type(cause).__name__}
     reference(x).sum().backward()
     return {"graphs": len(planned), "moved": _moved(planned),
-            "max_grad_diff": max((a.grad - b.grad).abs().max().item() for a, b in
-                                 zip(model.parameters(), reference.module.parameters()))}
+            "max_grad_rel_diff": _largest_difference(
+                [(a.grad, b.grad) for a, b in zip(model.parameters(),
+                                                  reference.module.parameters())])}
 
 
 def _fsdp2(rank: int, device: str, per_block: bool) -> dict:
@@ -131,8 +139,9 @@ def _fsdp2(rank: int, device: str, per_block: bool) -> dict:
     for param in reference.parameters():
         dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
     return {"graphs": len(planned), "moved": _moved(planned),
-            "max_grad_diff": max((a.grad.full_tensor() - b.grad).abs().max().item()
-                                 for a, b in zip(model.parameters(), reference.parameters()))}
+            "max_grad_rel_diff": _largest_difference(
+                [(a.grad.full_tensor(), b.grad) for a, b in zip(model.parameters(),
+                                                                reference.parameters())])}
 
 
 def _worker(rank: int, port: int, out: str, case: str, cuda: bool) -> None:
@@ -175,8 +184,9 @@ def test_ranks_compare_their_fingerprints(tmp_path):
 
 ON_GPUS = [pytest.param(False, id="cpu"),
            pytest.param(True, id="cuda", marks=[pytest.mark.gpu, pytest.mark.multi_gpu])]
-GRAD_TOLERANCE = 1e-5
-"""fp32 on both sides; the compiled and eager graphs may order reductions differently."""
+GRAD_TOLERANCE = 1e-4
+"""Relative to each gradient's largest entry. fp32 on both sides; the compiled and eager graphs
+order reductions differently, and on the GPU cuBLAS picks its algorithm per layout."""
 
 
 @pytest.mark.parametrize("cuda", ON_GPUS)
@@ -185,7 +195,7 @@ def test_ddp_with_a_budget_trains_like_eager_ddp_on_every_rank(tmp_path, case, c
     results = _run(case, tmp_path, cuda)
     for result in results:
         assert result.get("moved"), result
-        assert result["max_grad_diff"] < GRAD_TOLERANCE, result
+        assert result["max_grad_rel_diff"] < GRAD_TOLERANCE, result
     if case == "same":
         assert all(r["graphs"] > 2 for r in results), "DDPOptimizer did not split the model"
 
@@ -200,4 +210,4 @@ def test_ranks_with_different_budgets_fail_loudly(tmp_path, cuda):
 def test_fsdp2_with_a_budget_trains_like_eager_on_every_rank(tmp_path, case, cuda):
     for result in _run(case, tmp_path, cuda):
         assert result["graphs"] and result["moved"], result
-        assert result["max_grad_diff"] < GRAD_TOLERANCE, result
+        assert result["max_grad_rel_diff"] < GRAD_TOLERANCE, result

@@ -20,8 +20,9 @@ difference against torch.compile's over those steps.
 
 With ``--nproc N`` the run spawns N ranks on this machine (one GPU each, NCCL; gloo with
 ``--smoke``) and runs every method under each of ``--engines``: DDP (its default
-DDPOptimizer split under torch.compile) and FSDP2 (each block and the root ``fully_shard``ed,
-the whole model compiled). Each rank trains on its own batch; the table shows rank 0's
+DDPOptimizer split under torch.compile), DDP with ``optimize_ddp="python_reducer"`` and
+compiled autograd (the model compiled whole) and FSDP2 (each block and the root
+``fully_shard``ed, the whole model compiled). Each rank trains on its own batch; the table shows rank 0's
 figures, the step time as the slowest rank's, and gradient errors on the full gradients.
 
 Writes ``results.md`` (tabulate, ratios against torch.compile of the same run), ``results.json``
@@ -147,7 +148,24 @@ def _fsdp2(model: GPT) -> torch.nn.Module:
     return fully_shard(model)
 
 
-ENGINES: dict[str, Callable[[GPT], torch.nn.Module]] = {"ddp": _ddp, "fsdp2": _fsdp2}
+def _python_reducer() -> contextlib.AbstractContextManager:
+    """DDP compiled whole: its reduction traced by compiled autograd instead of DDPOptimizer's
+    split into one graph per bucket."""
+    return torch._dynamo.config.patch(optimize_ddp="python_reducer", compiled_autograd=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """How a data-parallel engine wraps the model, and a context around each step (compile
+    included: dynamo reads its configuration when it traces)."""
+
+    wrap: Callable[[GPT], torch.nn.Module]
+    step_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+ENGINES: dict[str, Engine] = {"ddp": Engine(_ddp),
+                              "ddp-python-reducer": Engine(_ddp, _python_reducer),
+                              "fsdp2": Engine(_fsdp2)}
 
 
 def _with_budget(budget: float) -> Callable[[], contextlib.AbstractContextManager]:
@@ -329,7 +347,8 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
         with torch.no_grad():
             x.add_(dist.get_rank())          # each rank its own batch
     method.prepare(model)
-    run = method.wrap(model if engine is None else ENGINES[engine](model))
+    engine_context = contextlib.nullcontext if engine is None else ENGINES[engine].step_context
+    run = method.wrap(model if engine is None else ENGINES[engine].wrap(model))
     dev.sync()
     base, base_reserved = dev.allocated(), dev.reserved()
     held: dict[str, int | None] = {}
@@ -337,7 +356,7 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
     def step() -> None:
         for p in (*model.parameters(), x):
             p.grad = None
-        with method.step_context():
+        with engine_context(), method.step_context():
             out = run(x)
             held["device"], held["pinned"] = dev.allocated(), method.pinned_bytes()
             out.float().pow(2).mean().backward()
@@ -381,7 +400,8 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
         result.update(profiled(step, dev.cuda,
                                out_dir / f"trace_{config_name}_{method.name}{rank}.json"))
     if args.loss_steps:
-        result["losses"] = _train(model, run, x, method, args.loss_steps)
+        with engine_context():
+            result["losses"] = _train(model, run, x, method, args.loss_steps)
     return result
 
 

@@ -34,7 +34,7 @@ def test_smoke_runs_every_method_under_each_engine_on_two_ranks(tmp_path):
                                    "--loss-steps", "3", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["environment"]["ranks"] == 2
-    assert sorted(results["configs"]) == ["smoke-ddp", "smoke-fsdp2"]
+    assert sorted(results["configs"]) == ["smoke-ddp", "smoke-ddp-python-reducer", "smoke-fsdp2"]
     for rows in results["configs"].values():
         assert [r["method"] for r in rows] == methods and not [r for r in rows if "error" in r]
         assert all(r["grad_rel_error"] < 1e-3 for r in rows[1:])

@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import os
 import platform
@@ -341,6 +342,7 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
     """Measure one method, under ``engine`` when given; with ``reference_grads`` None, keep
     its gradients as the reference."""
     torch._dynamo.reset()
+    gc.collect()     # the last method's model, when cycles hold it (FSDP2's hooks), before `base`
     torch.manual_seed(0)
     model, (x,) = build_gpt(shape, "cuda" if dev.cuda else "cpu")
     if dist.is_initialized():

@@ -15,6 +15,7 @@ from uuid import uuid4
 
 import torch
 import torch._inductor.config as inductor_config
+import torch.utils._pytree as pytree
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
@@ -29,6 +30,7 @@ from storm_compile.graphs import PassContext, StormGraphs
 from storm_compile.pin_transfers import inductor_patches
 from storm_compile.pipeline import storm_partition
 from storm_compile.ranks import rank_key
+from storm_compile.step_budget import GraphId, StepBudget
 from storm_compile.vocabulary import is_transfer
 
 log = logging.getLogger("storm_compile")
@@ -103,12 +105,40 @@ class StormBackend:
         if not _needs_backward(example_inputs):
             log.debug("storm: inference graph (grad mode off or no input requires grad): "
                       "nothing is saved for a backward; compiling unchanged")
+        step, recorded = self.ctx.step, self.ctx.step.last
         if self.config.inner == "eager":
-            return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                                partition_fn=self.partitioner,
-                                keep_inference_input_mutations=True)(gm, example_inputs)
-        return compile_fx(gm, example_inputs, inner_compile=_compile_graph,
-                          config_patches={"custom_partitioner_fn": self.partitioner})
+            compiled = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                                    partition_fn=self.partitioner,
+                                    keep_inference_input_mutations=True)(gm, example_inputs)
+        else:
+            compiled = compile_fx(gm, example_inputs, inner_compile=_compile_graph,
+                                  config_patches={"custom_partitioner_fn": self.partitioner})
+        budget = self.config.memory_budget
+        if not isinstance(budget, int) or step.last == recorded:
+            return compiled
+        return _counting_runs(compiled, step, step.last, budget)
+
+
+def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int
+                   ) -> Callable:
+    """``compiled``, telling ``step`` of each run that autograd will take a backward through
+    (:meth:`StepBudget.ran`: a byte budget is the step's, however many times the graph runs in
+    it) and of the start of that backward."""
+
+    def run(*args: Any) -> Any:
+        outputs = compiled(*args)
+        if not torch.is_grad_enabled():
+            return outputs
+        node = next((t.grad_fn for t in pytree.tree_leaves(outputs)
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if node is not None:
+            node.register_prehook(lambda grad_outputs: step.backward_started())
+            step.ran(graph, budget)
+        return outputs
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True
+    return run
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):

@@ -21,6 +21,14 @@ without storm and as planned:
   keeps its minimum and storm warns once how far the step is over;
 * ``"auto"``: the step-time allowance ``max_overhead`` is the step's, shared the same way: a
   graph may spend ``max_overhead * (S + s_k)`` less what the other graphs spent.
+
+One compiled graph may run several times before the step's backward: identical blocks compile
+to one graph when each is compiled on its own (torchtitan's way) or sits behind FSDP2's hooks.
+Planning cannot see that; the first forward can. Under a byte budget :meth:`StepBudget.ran`
+counts each graph's runs until the backward after them starts, and raises
+:class:`StormBudgetError` as soon as the runs hold more than the budget: the plan was made for
+one run, and a byte budget cannot be shared among runs the planner never saw. A fraction
+budget, or ``"auto"``, holds for every run alike.
 """
 
 from __future__ import annotations
@@ -78,19 +86,56 @@ class StepBudget:
         self._shares: dict[GraphId, GraphShare] = {}
         self._positions: dict[tuple[int, int], int] = {}
         self._warned = False
+        self._runs: dict[GraphId, int] = {}
+        """Runs of each graph before the first backward after its first run."""
+        self._counted: set[GraphId] = set()
+        """Graphs whose runs are counted: a backward started after them."""
+        self.last: GraphId | None = None
+        """The graph recorded last."""
 
     def next_graph(self) -> GraphId:
         return current_graph_id(self._positions)
 
-    def _others(self, graph: GraphId) -> list[GraphShare]:
-        """Shares of the step's other graphs: a later compilation of a frame replaces its
-        earlier graphs."""
+    def _step(self, graph: GraphId) -> dict[GraphId, GraphShare]:
+        """Shares of the step's graphs, ``graph`` included when recorded: a later compilation
+        of a frame replaces its earlier graphs."""
         latest: dict[int, int] = {}
         for frame, compilation, _ in self._shares:
             latest[frame] = max(latest.get(frame, compilation), compilation)
         latest[graph[0]] = max(latest.get(graph[0], graph[1]), graph[1])
-        return [share for key, share in self._shares.items()
-                if key != graph and key[1] == latest[key[0]]]
+        return {key: share for key, share in self._shares.items()
+                if key == graph or key[1] == latest[key[0]]}
+
+    def _others(self, graph: GraphId) -> list[GraphShare]:
+        """Shares of the step's other graphs."""
+        return [share for key, share in self._step(graph).items() if key != graph]
+
+    def ran(self, graph: GraphId, budget: int) -> None:
+        """``graph`` ran a forward whose backward is still to come; raise
+        :class:`StormBudgetError` when the step's runs so far hold more than ``budget``
+        bytes."""
+        if graph in self._counted:
+            return
+        runs = self._runs[graph] = self._runs.get(graph, 0) + 1
+        if runs < 2:
+            return
+        shares = self._step(graph)
+        held = sum(self._runs.get(key, 1) * share.planned_bytes + share.resident_bytes
+                   for key, share in shares.items())
+        if held > budget:
+            planned = shares[graph].planned_bytes
+            raise StormBudgetError(
+                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one "
+                f"of its compiled graphs ran {runs} times before the backward (identical "
+                f"blocks compile to one graph when each is compiled on its own or sits behind "
+                f"FSDP2's hooks): planned for one run at {planned} bytes "
+                f"({planned / GIB:.3f} GiB), the step holds {held} bytes "
+                f"({held / GIB:.3f} GiB) so far. Give memory_budget as a fraction (such as "
+                f"0.5), which holds for every run, or in bytes divided by the runs")
+
+    def backward_started(self) -> None:
+        """A backward of the step started: the graphs that ran before it are counted."""
+        self._counted.update(self._runs)
 
     def snapshot(self, graph: GraphId) -> tuple:
         """What this graph's plan depends on: the other graphs' shares (for cache keys)."""
@@ -134,6 +179,7 @@ class StepBudget:
 
     def record(self, graph: GraphId, share: GraphShare) -> None:
         self._shares[graph] = share
+        self.last = graph
 
     def share(self, graph: GraphId) -> GraphShare:
         """What this graph's last plan recorded."""

@@ -72,6 +72,78 @@ def test_auto_allowance_is_shared_across_the_step():
         pytest.approx(0.02 * 2.0 - 0.005)
 
 
+def test_runs_of_one_graph_before_the_backward_count_against_a_byte_budget():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 0, 40))
+    step.ran(FIRST, budget=100)
+    step.ran(FIRST, budget=100)          # two runs hold 80 of 100
+    with pytest.raises(StormBudgetError, match="ran 3 times before the backward"):
+        step.ran(FIRST, budget=100)
+
+
+def test_runs_after_a_backward_start_a_new_step():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 0, 60))
+    step.ran(FIRST, budget=100)
+    step.backward_started()
+    step.ran(FIRST, budget=100)          # gradient accumulation: one run per backward
+    step.ran(FIRST, budget=100)
+
+
+def test_resident_weights_count_once_however_many_runs():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 0, 10))
+    step.keep_resident(FIRST, 70)
+    step.ran(FIRST, budget=100)
+    step.ran(FIRST, budget=100)          # 2 × 10 + 70
+    step.ran(FIRST, budget=100)          # 3 × 10 + 70
+    with pytest.raises(StormBudgetError):
+        step.ran(FIRST, budget=100)
+
+
+BLOCKS_SHAPE = GPTShape(d_model=64, layers=4, heads=4, seq=32, batch=2, dtype="float32")
+
+
+def _blocks_compiled_one_by_one(budget) -> tuple[nn.Module, torch.Tensor, list]:
+    """torchtitan's way: each block compiled on its own, so all four run one graph."""
+    torch.manual_seed(0)
+    model, (x,) = build_gpt(BLOCKS_SHAPE)
+    captured = []
+    backend = StormBackend(StormConfig.from_options(**{**PLAN_OPTIONS, "memory_budget": budget}),
+                           observer=captured.append)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    return model, x, captured
+
+
+def test_a_byte_budget_over_a_block_graph_run_by_every_block_fails_in_the_first_forward():
+    model, x, captured = _blocks_compiled_one_by_one(0.25)
+    model(x).sum().backward()
+    assert len(captured) == 1
+    per_block = captured[0].plan.baseline.activation_bytes
+    # Room for the plan of one run, not for four: the second block's run says so.
+    model, x, _ = _blocks_compiled_one_by_one(f"{per_block}B")
+    with pytest.raises(StormBudgetError, match="ran 2 times before the backward") as caught:
+        model(x)
+    assert "fraction" in str(caught.value)
+
+
+def test_a_fraction_budget_over_a_block_graph_holds_for_every_run():
+    model, x, captured = _blocks_compiled_one_by_one(0.5)
+    for _ in range(2):                   # a second step: the runs start again
+        model(x).sum().backward()
+    assert len(captured) == 1 and captured[0].plan.recompute
+
+
+def test_a_byte_budget_with_room_for_every_run_trains():
+    model, x, captured = _blocks_compiled_one_by_one(0.25)
+    model(x).sum().backward()
+    per_block = captured[0].plan.baseline.activation_bytes
+    model, x, _ = _blocks_compiled_one_by_one(f"{BLOCKS_SHAPE.layers * per_block}B")
+    for _ in range(2):
+        model(x).sum().backward()
+
+
 class BrokenMLP(nn.Module):
     """A small graph, a graph break, then a large one: the first cannot reach half."""
 

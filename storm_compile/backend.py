@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,8 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
                    ) -> Callable:
     """``compiled``, telling ``step`` of each run that autograd will take a backward through
     (:meth:`StepBudget.ran`: a byte budget is the step's, however many times the graph runs in
-    it) and of the start of that backward."""
+    it), and releasing the run when its backward starts or its autograd graph is freed
+    unused."""
 
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
@@ -132,8 +134,9 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
         node = next((t.grad_fn for t in pytree.tree_leaves(outputs)
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if node is not None:
-            node.register_prehook(lambda grad_outputs: step.backward_started())
-            step.ran(graph, budget)
+            release = step.ran(graph, budget)
+            node.register_prehook(lambda grad_outputs: release())
+            weakref.finalize(node, release)
         return outputs
 
     if getattr(compiled, "_boxed_call", False):

@@ -24,10 +24,10 @@ without storm and as planned:
 
 One compiled graph may run several times before the step's backward: identical blocks compile
 to one graph when each is compiled on its own (torchtitan's way) or sits behind FSDP2's hooks.
-Planning cannot see that; the first forward can. Under a byte budget :meth:`StepBudget.ran`
-counts each graph's runs until the backward after them starts, and raises
-:class:`StormBudgetError` as soon as the runs hold more than the budget: the plan was made for
-one run, and a byte budget cannot be shared among runs the planner never saw. A fraction
+Planning cannot see that; the forward can. Under a byte budget :meth:`StepBudget.ran` counts
+each graph's runs whose backward is still to come, and raises :class:`StormBudgetError` as soon
+as they hold more than the budget: the plan was made for one run, and a byte budget cannot be
+shared among runs the planner never saw. A fraction
 budget, or ``"auto"``, holds for every run alike.
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -87,9 +88,7 @@ class StepBudget:
         self._positions: dict[tuple[int, int], int] = {}
         self._warned = False
         self._runs: dict[GraphId, int] = {}
-        """Runs of each graph before the first backward after its first run."""
-        self._counted: set[GraphId] = set()
-        """Graphs whose runs are counted: a backward started after them."""
+        """Runs of each graph whose backward is still to come."""
         self.last: GraphId | None = None
         """The graph recorded last."""
 
@@ -110,19 +109,27 @@ class StepBudget:
         """Shares of the step's other graphs."""
         return [share for key, share in self._step(graph).items() if key != graph]
 
-    def ran(self, graph: GraphId, budget: int) -> None:
+    def ran(self, graph: GraphId, budget: int) -> Callable[[], None]:
         """``graph`` ran a forward whose backward is still to come; raise
-        :class:`StormBudgetError` when the step's runs so far hold more than ``budget``
-        bytes."""
-        if graph in self._counted:
-            return
+        :class:`StormBudgetError` when the runs whose backward is to come hold more than
+        ``budget`` bytes. Returns what to call once the run's backward starts or its autograd
+        graph is gone (either, any number of times)."""
         runs = self._runs[graph] = self._runs.get(graph, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._runs[graph] -= 1
+
         if runs < 2:
-            return
+            return release
         shares = self._step(graph)
         held = sum(self._runs.get(key, 1) * share.planned_bytes + share.resident_bytes
                    for key, share in shares.items())
         if held > budget:
+            release()
             planned = shares[graph].planned_bytes
             raise StormBudgetError(
                 f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one "
@@ -132,14 +139,7 @@ class StepBudget:
                 f"({planned / GIB:.3f} GiB), the step holds {held} bytes "
                 f"({held / GIB:.3f} GiB) so far. Give memory_budget as a fraction (such as "
                 f"0.5), which holds for every run, or in bytes divided by the runs")
-
-    def backward_started(self) -> None:
-        """A backward of the step started: the graphs that ran before it are counted."""
-        self._counted.update(self._runs)
-
-    def snapshot(self, graph: GraphId) -> tuple:
-        """What this graph's plan depends on: the other graphs' shares (for cache keys)."""
-        return tuple(sorted(dataclasses.astuple(s) for s in self._others(graph)))
+        return release
 
     def target_bytes(self, graph: GraphId, budget: int | float, baseline: int,
                      minimum: int) -> int:

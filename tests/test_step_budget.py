@@ -81,13 +81,17 @@ def test_runs_of_one_graph_before_the_backward_count_against_a_byte_budget():
         step.ran(FIRST, budget=100)
 
 
-def test_runs_after_a_backward_start_a_new_step():
+def test_a_run_released_by_its_backward_no_longer_counts():
     step = StepBudget()
     step.record(FIRST, _share(100, 0, 60))
-    step.ran(FIRST, budget=100)
-    step.backward_started()
+    first = step.ran(FIRST, budget=100)
+    first()
+    first()                              # its backward started and its graph is gone: once
+    second = step.ran(FIRST, budget=100)
+    second()
     step.ran(FIRST, budget=100)          # gradient accumulation: one run per backward
-    step.ran(FIRST, budget=100)
+    with pytest.raises(StormBudgetError, match="ran 2 times"):
+        step.ran(FIRST, budget=100)
 
 
 def test_resident_weights_count_once_however_many_runs():
@@ -133,6 +137,19 @@ def test_a_fraction_budget_over_a_block_graph_holds_for_every_run():
     for _ in range(2):                   # a second step: the runs start again
         model(x).sum().backward()
     assert len(captured) == 1 and captured[0].plan.recompute
+
+
+def test_runs_whose_outputs_are_dropped_unused_release_their_share():
+    model, x, captured = _blocks_compiled_one_by_one(0.25)
+    model(x).sum().backward()
+    per_block = captured[0].plan.baseline.activation_bytes
+    model, x, _ = _blocks_compiled_one_by_one(f"{per_block}B")
+    block = model.blocks[0]
+    for _ in range(3):
+        block(x)                         # each run's autograd graph is freed at once
+    kept = [block(x)]
+    with pytest.raises(StormBudgetError):
+        kept.append(block(x))
 
 
 def test_a_byte_budget_with_room_for_every_run_trains():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,11 @@ from storm_compile.step_budget import GraphId, StepBudget
 from storm_compile.vocabulary import is_transfer
 
 log = logging.getLogger("storm_compile")
+
+SPLIT_POSITION = 2
+"""Index in a :data:`~storm_compile.step_budget.GraphId` of the graph's position in its frame's
+compilation: above 0 only when a frame made several graphs, which DDPOptimizer does (a graph
+break resumes in a new frame)."""
 
 _SOURCE_FILES = tuple(sorted(str(p) for d in (Path(__file__).parent, Path(passes.__file__).parent)
                              for p in d.glob("*.py")))
@@ -98,6 +104,7 @@ class StormBackend:
             cost_override = cost_override or MeasuredCosts()
         self.ctx = PassContext(config, CostModel(profile, cost_override))
         self.partitioner = StormPartitioner(self.ctx, observer)
+        self._warned_split = False
 
     def __repr__(self) -> str:
         return f"StormBackend({self.config})"
@@ -115,9 +122,28 @@ class StormBackend:
             compiled = compile_fx(gm, example_inputs, inner_compile=_compile_graph,
                                   config_patches={"custom_partitioner_fn": self.partitioner})
         budget = self.config.memory_budget
-        if not isinstance(budget, int) or step.last == recorded:
+        if step.last == recorded:
+            return compiled
+        if budget is not None and step.last[SPLIT_POSITION] > 0:
+            self._warn_split()
+        if not isinstance(budget, int):
             return compiled
         return _counting_runs(compiled, step, step.last, budget)
+
+    def _warn_split(self) -> None:
+        """Once: a frame made several graphs, so DDPOptimizer split it by gradient bucket, and
+        a budget is met mostly by recomputation there (a piece's offloads must finish within
+        the piece's own forward)."""
+        if self._warned_split:
+            return
+        self._warned_split = True
+        warnings.warn(
+            "storm: dynamo split this model into one graph per DDP gradient bucket "
+            "(torch._dynamo.config.optimize_ddp); a graph's offloads must finish within its own "
+            "forward, so the memory budget is met mostly by recomputation. For one graph, set "
+            "torch._dynamo.config.optimize_ddp = 'python_reducer' and "
+            "torch._dynamo.config.compiled_autograd = True (README: Many GPUs)",
+            RuntimeWarning, stacklevel=2)
 
 
 def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int

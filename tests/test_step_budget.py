@@ -2,6 +2,7 @@
 
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -192,7 +193,12 @@ def _step_activation(captured, backend) -> tuple[int, int]:
 
 def test_fraction_budget_holds_over_graph_breaks():
     torch.manual_seed(0)
-    captured, backend = _captured_step(BrokenMLP(), (torch.randn(64, 16),), memory_budget=0.5)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        captured, backend = _captured_step(BrokenMLP(), (torch.randn(64, 16),),
+                                           memory_budget=0.5)
+    assert not [w for w in seen if "DDP gradient bucket" in str(w.message)], \
+        "a graph break resumes in a new frame: no split to warn of"
     assert len(captured) == 2
     baseline, planned = _step_activation(captured, backend)
     assert planned <= 0.5 * baseline
@@ -242,7 +248,9 @@ def test_ddp_pieces_share_one_budget(single_rank_group, budget):
     torch.manual_seed(0)
     model, inputs = build_gpt(DDP_SHAPE)
     ddp = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_MB)
-    captured, backend = _captured_step(ddp, inputs, memory_budget=budget)
+    with pytest.warns(RuntimeWarning, match="optimize_ddp = 'python_reducer'") as caught:
+        captured, backend = _captured_step(ddp, inputs, memory_budget=budget)
+    assert len([w for w in caught if "DDP gradient bucket" in str(w.message)]) == 1
     assert len(captured) > 2, "DDPOptimizer did not split the model"
     baseline, planned = _step_activation(captured, backend)
     if budget == "auto":

@@ -5,11 +5,10 @@ For each configuration and method: warm-up steps, then fw+bw steps timed with CU
 the host prepares each step while the GPU runs the last: the GPU-bound step time), activation
 memory (allocated at the end of the forward above weights and input, the
 output included: what the step holds for the backward), peak memory of the step (same baseline,
-after ``reset_peak_memory_stats``), the allocator's peak reserved memory (what an out-of-memory
-error counts), pinned host memory in use, and the relative gradient error against
-torch.compile. ``--profile`` adds, per profiled method, the compute stream's busy fraction, D2H
-and H2D copy time and the fraction of copy time overlapping compute kernels (under ``--nproc``
-each rank writes its own trace; the row has rank 0's figures). ``--loss-steps N`` then trains
+after ``reset_peak_memory_stats``), pinned host memory in use, and the relative gradient error
+against torch.compile. ``--profile`` adds, per profiled method, the compute stream's busy
+fraction, D2H and H2D copy time and the fraction of copy time overlapping compute kernels
+(under ``--nproc`` each rank writes its own trace; the row has rank 0's figures). ``--loss-steps N`` then trains
 each method's model for N AdamW steps on its batch and reports the largest relative loss
 difference against torch.compile's over those steps.
 
@@ -22,8 +21,9 @@ With ``--nproc N`` the run spawns N ranks on this machine (one GPU each, NCCL; g
 ``--smoke``) and runs every method under each of ``--engines``: DDP (its default
 DDPOptimizer split under torch.compile), DDP with ``optimize_ddp="python_reducer"`` and
 compiled autograd (the model compiled whole) and FSDP2 (each block and the root
-``fully_shard``ed, the whole model compiled). Each rank trains on its own batch; the table shows rank 0's
-figures, the step time as the slowest rank's, and gradient errors on the full gradients.
+``fully_shard``ed, the whole model compiled). Each rank trains on its own batch; the table shows
+rank 0's figures, the step time as the slowest rank's, and gradient errors on the full
+gradients.
 
 Writes ``results.md`` (tabulate, ratios against torch.compile of the same run), ``results.json``
 (every raw number and the environment) and, with matplotlib, ``pareto_<config>.png``; both files
@@ -287,13 +287,6 @@ class _Device:
     def peak(self) -> int | None:
         return torch.cuda.max_memory_allocated() if self.cuda else None
 
-    def reserved(self) -> int | None:
-        return torch.cuda.memory_reserved() if self.cuda else None
-
-    def peak_reserved(self) -> int | None:
-        """Most bytes the allocator held from the driver: what an out-of-memory error counts."""
-        return torch.cuda.max_memory_reserved() if self.cuda else None
-
     def host_allocations(self) -> int | None:
         """Pinned blocks created so far (each one a cudaHostAlloc)."""
         return torch.cuda.host_memory_stats().get("num_host_alloc") if self.cuda else None
@@ -352,7 +345,7 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
     engine_context = contextlib.nullcontext if engine is None else ENGINES[engine].step_context
     run = method.wrap(model if engine is None else ENGINES[engine].wrap(model))
     dev.sync()
-    base, base_reserved = dev.allocated(), dev.reserved()
+    base = dev.allocated()
     held: dict[str, int | None] = {}
 
     def step() -> None:
@@ -369,7 +362,7 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
     dev.reset_peak()
     step()
     dev.sync()
-    peak, peak_reserved = dev.peak(), dev.peak_reserved()
+    peak = dev.peak()
     allocations_before = dev.host_allocations()
     times: list[float] = []
     for _ in range(args.steps):
@@ -385,7 +378,6 @@ def run_method(method: Method, shape: GPTShape, dev: _Device, args, out_dir: Pat
         "back_to_back_step_ms": _slowest(back_to_back[0] / args.steps),
         "activation_gib": _gib(_minus(held["device"], base)),
         "peak_gib": _gib(_minus(peak, base)),
-        "peak_reserved_gib": _gib(_minus(peak_reserved, base_reserved)),
         "pinned_gib": _gib(held["pinned"]),
         "pinnings_per_step": _minus(allocations_after, allocations_before) / args.steps
         if dev.cuda else None,
@@ -492,7 +484,6 @@ def markdown(results: dict) -> str:
                 "act GiB": r["activation_gib"],
                 "act ×": _ratio(r["activation_gib"], ref.get("activation_gib")),
                 "peak GiB": r["peak_gib"], "peak ×": _ratio(r["peak_gib"], ref.get("peak_gib")),
-                "reserved GiB": r["peak_reserved_gib"],
                 "pinned GiB": r["pinned_gib"], "pins/step": r["pinnings_per_step"],
                 "grad err": r.get("grad_rel_error"),
                 "loss err": r.get("loss_rel_error"),

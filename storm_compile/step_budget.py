@@ -27,8 +27,8 @@ to one graph when each is compiled on its own (torchtitan's way) or sits behind 
 Planning cannot see that; the forward can. Under a byte budget :meth:`StepBudget.ran` counts
 each graph's runs whose backward is still to come, and raises :class:`StormBudgetError` as soon
 as they hold more than the budget: the plan was made for one run, and a byte budget cannot be
-shared among runs the planner never saw. A fraction
-budget, or ``"auto"``, holds for every run alike.
+shared among runs the planner never saw. A fraction budget, or ``"auto"``, holds for every run
+alike.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ class StepBudget:
         if runs < 2:
             return release
         shares = self._step(graph)
-        held = sum(self._runs.get(key, 1) * share.planned_bytes + share.resident_bytes
+        # Every graph of the step holds at least the one run it was planned for.
+        held = sum(max(self._runs.get(key, 0), 1) * share.planned_bytes + share.resident_bytes
                    for key, share in shares.items())
         if held > budget:
             release()
@@ -136,8 +137,8 @@ class StepBudget:
                 f"of its compiled graphs ran {runs} times before the backward (identical "
                 f"blocks compile to one graph when each is compiled on its own or sits behind "
                 f"FSDP2's hooks): planned for one run at {planned} bytes "
-                f"({planned / GIB:.3f} GiB), the step holds {held} bytes "
-                f"({held / GIB:.3f} GiB) so far. Give memory_budget as a fraction (such as "
+                f"({planned / GIB:.3f} GiB), the step would hold {held} bytes "
+                f"({held / GIB:.3f} GiB). Give memory_budget as a fraction (such as "
                 f"0.5), which holds for every run, or in bytes divided by the runs")
         return release
 

@@ -3,14 +3,16 @@
 import pytest
 import torch
 import torch._inductor.config as inductor_config
+from torch._inductor.utils import run_and_get_code
 
-from helpers import CPU_TEST_OPTIONS, capture, step, transfer_count
+from helpers import CPU_TEST_OPTIONS, SEED, capture, step, transfer_count
 from storm_compile import storm
 from zoo import ZOO
 
 MODELS = sorted(ZOO)
 INDUCTOR_RTOL = 1e-4
 INDUCTOR_ATOL = 1e-5
+VOCAB, WIDTH = 50, 16
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -44,3 +46,23 @@ def test_inductor_matches_eager(name):
     for key in ref_buffers:
         torch.testing.assert_close(buffers[key], ref_buffers[key], rtol=INDUCTOR_RTOL,
                                    atol=INDUCTOR_ATOL, msg=key)
+
+
+def test_embedding_backward_runs_as_aten_kernel():
+    """A bfloat16 embedding's gradient comes from aten's kernel, not from Inductor's float32
+    table of the whole vocabulary (``backend.KEPT_WHOLE``), and equals eager's."""
+    torch.manual_seed(SEED)
+    embed = torch.nn.Embedding(VOCAB, WIDTH, dtype=torch.bfloat16)
+    tokens = torch.randint(VOCAB, (2, 8))
+
+    def loss(module):
+        return module(tokens).pow(2).sum()
+
+    loss(embed).backward()
+    expected, embed.weight.grad = embed.weight.grad, None
+    compiled = torch.compile(embed, backend=storm(**{**CPU_TEST_OPTIONS, "inner": "inductor"}))
+    _, code = run_and_get_code(lambda: loss(compiled).backward())
+    backward = code[-1]
+    assert "aten.embedding_dense_backward" in backward
+    assert "torch.float32" not in backward
+    torch.testing.assert_close(embed.weight.grad, expected)

@@ -17,6 +17,7 @@ from uuid import uuid4
 
 import torch
 import torch._inductor.config as inductor_config
+import torch._inductor.lowering as lowering
 import torch.utils._pytree as pytree
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
@@ -184,7 +185,12 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
 
 def _decompositions() -> dict:
     """Inductor's decomposition table (as its config selects it now) without
-    :data:`KEPT_WHOLE`."""
+    :data:`KEPT_WHOLE`, whose ops get Inductor's fallback lowering (aten's kernel, contiguous
+    inputs, as Inductor gives a backward's implicit fallbacks). Registered here rather than left
+    to Inductor's implicit fallback, which torch 2.11 refuses for an op its default table
+    decomposes; a graph compiled without storm still decomposes them before lowering."""
+    for op in KEPT_WHOLE - lowering.lowerings.keys():
+        lowering.make_fallback(op, lowering.require_contiguous, warn=False, override_decomp=True)
     return {op: fn for op, fn in select_decomp_table().items() if op not in KEPT_WHOLE}
 
 

@@ -26,12 +26,13 @@ Two parts, both optional:
 * loss (``--loss-steps N``): N optimizer steps of one micro-batch of ``--loss-tokens`` tokens,
   every method's loss of every step, and the largest difference against ``compile`` (run for
   the losses whether listed or not);
-* throughput: for each listed method, tokens per micro-batch in ``--tokens`` and micro-batches
-  per optimizer step in ``--micro-batches``, ``--steps`` timed optimizer steps after one
-  untimed one: tokens/s and, when ``compile`` is listed, the ratio to its tokens/s,
-  achieved TFLOP/s (model FLOPs: 6 per parameter per token plus causal attention's
+* throughput: for each tokens per micro-batch in ``--tokens`` and each listed method, one
+  model built and compiled, then for each micro-batches per optimizer step in
+  ``--micro-batches`` ``--steps`` timed optimizer steps after one untimed one (the first
+  point's untimed step compiles): tokens/s and, when ``compile`` is listed, the ratio to its
+  tokens/s, achieved TFLOP/s (model FLOPs: 6 per parameter per token plus causal attention's
   6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory,
-  the seconds the method's setup (model, streaming, optimizer) and its first, compiling, step
+  the seconds the method's setup (model, streaming, optimizer) and each point's untimed step
   took,
   and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches'
   forward and backward, the host thread's additions and the host AdamW, overlapped or after,
@@ -293,48 +294,71 @@ def _loss_summary(runs: dict[str, dict | str]) -> dict:
     return {"runs": runs, "summary": summary}
 
 
-def _throughput_row(method: str, shape: LlamaShape, micro_batches: int, args,
-                    cuda: bool) -> dict:
-    row = {"method": method, "tokens": shape.batch * shape.seq, "micro_batches": micro_batches}
+def _throughput_rows(method: str, shape: LlamaShape, args, cuda: bool) -> list[dict]:
+    """One row per ``--micro-batches`` point of ``method`` at ``shape``'s tokens, on one built
+    and compiled model: the micro-batch count does not change the graphs, so only the first
+    point pays the method's setup and compile (its ``build_s``; every row's ``first_step_s`` is
+    its untimed step)."""
+    tokens = shape.batch * shape.seq
+    rows = []
     try:
         begin = time.perf_counter()
         run = BUILDERS[method](shape, args, cuda)
-        built = time.perf_counter()
-        batches = _batches(shape, micro_batches, args.device)
-        run.step(batches)
-        row.update(build_s=built - begin, first_step_s=time.perf_counter() - built)
-        print(f"{method}, {row['tokens']} tokens × {micro_batches}: model built in "
-              f"{row['build_s']:.1f} s, first step (compiling) {row['first_step_s']:.1f} s",
-              flush=True)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        step_s, optimizer_s = [], []
-        for _ in range(args.steps):
-            begin = time.perf_counter()
-            optimizer_s.append(run.step(batches)[1])
-            step_s.append(time.perf_counter() - begin)
-        step = min(step_s)
-        tokens = row["tokens"] * micro_batches
-        row.update(step_ms=step * MS, tokens_per_s=tokens / step,
-                   tflops=_model_flops(shape, tokens) / step / 1e12,
-                   optimizer_ms=min(optimizer_s) * MS,
-                   peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
-        if method in args.profile:
-            row.update(profiled(lambda: run.step(batches), cuda,
-                                args.out / f"trace_{method}_{row['tokens']}x{micro_batches}.json"))
-        predicted = run.predicted(micro_batches)
-        if predicted is not None:
-            row.update(pred_tokens_per_s=tokens / predicted.step_s,
-                       pred_error=(tokens / predicted.step_s) / row["tokens_per_s"] - 1,
-                       pred_exposed_ms=predicted.micro_batches
-                       * predicted.exposed_transfer_s * MS,
-                       pred_host_ms=predicted.host_s * MS,
-                       pred_peak_gib=max(run.peaks) / GIB,
-                       pred_op_ms=dict(run.op_ms.most_common(OPS_REPORTED)))
+        built_s = time.perf_counter() - begin
     except Exception as error:  # noqa: BLE001 - a failing method is a result, not a crash
-        row["error"] = error_line(error)
+        _release()
+        return [{"method": method, "tokens": tokens, "micro_batches": m,
+                 "error": error_line(error)} for m in args.micro_batches]
+    for index, micro_batches in enumerate(args.micro_batches):
+        row = {"method": method, "tokens": tokens, "micro_batches": micro_batches}
+        if index == 0:
+            row["build_s"] = built_s
+        try:
+            _measure(run, row, shape, args, cuda)
+        except Exception as error:  # noqa: BLE001 - a failing point is a result, not a crash
+            row["error"] = error_line(error)
+        rows.append(row)
+        print(row, flush=True)
+    del run
     _release()
-    return row
+    return rows
+
+
+def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
+    """Time ``args.steps`` optimizer steps of ``row``'s micro-batches after one untimed one, and
+    set the row's figures and, for storm, its predictions."""
+    micro_batches = row["micro_batches"]
+    batches = _batches(shape, micro_batches, args.device)
+    begin = time.perf_counter()
+    run.step(batches)
+    row["first_step_s"] = time.perf_counter() - begin
+    print(f"{row['method']}, {row['tokens']} tokens × {micro_batches}: untimed step "
+          f"{row['first_step_s']:.1f} s", flush=True)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    step_s, optimizer_s = [], []
+    for _ in range(args.steps):
+        begin = time.perf_counter()
+        optimizer_s.append(run.step(batches)[1])
+        step_s.append(time.perf_counter() - begin)
+    step = min(step_s)
+    tokens = row["tokens"] * micro_batches
+    row.update(step_ms=step * MS, tokens_per_s=tokens / step,
+               tflops=_model_flops(shape, tokens) / step / 1e12,
+               optimizer_ms=min(optimizer_s) * MS,
+               peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
+    if row["method"] in args.profile:
+        row.update(profiled(lambda: run.step(batches), cuda,
+                            args.out / f"trace_{row['method']}_{row['tokens']}x{micro_batches}"
+                                       f".json"))
+    predicted = run.predicted(micro_batches)
+    if predicted is not None:
+        row.update(pred_tokens_per_s=tokens / predicted.step_s,
+                   pred_error=(tokens / predicted.step_s) / row["tokens_per_s"] - 1,
+                   pred_exposed_ms=predicted.micro_batches * predicted.exposed_transfer_s * MS,
+                   pred_host_ms=predicted.host_s * MS,
+                   pred_peak_gib=max(run.peaks) / GIB, graphs=len(run.peaks),
+                   pred_op_ms=dict(run.op_ms.most_common(OPS_REPORTED)))
 
 
 def markdown(results: dict) -> str:
@@ -369,7 +393,8 @@ def markdown(results: dict) -> str:
                      if "pred_tokens_per_s" in row else "",
                      f"{row['pred_exposed_ms']:.0f} / {row['pred_host_ms']:.0f}"
                      if "pred_tokens_per_s" in row else "",
-                     f"{row['build_s']:.0f} / {row['first_step_s']:.0f}"])
+                     f"{row['build_s']:.0f} / {row['first_step_s']:.0f}" if "build_s" in row
+                     else f"(built) / {row['first_step_s']:.0f}"])
     if rows:
         parts.append(tabulate(rows, headers=["method", "tokens/µbatch", "µbatches", "tokens/s",
                                              f"× {REFERENCE}", "TFLOP/s", "optimizer ms",
@@ -474,12 +499,10 @@ def main(argv=None) -> int:
         results["loss"] = _loss_summary(runs)
         write(args.out, results, markdown(results))
     for tokens in args.tokens:
-        for micro_batches in args.micro_batches:
-            for method in args.methods:
-                row = _throughput_row(method, _shape(args, tokens), micro_batches, args, cuda)
-                results["throughput"].append(row)
-                print(row, flush=True)
-                write(args.out, results, markdown(results))
+        for method in args.methods:
+            results["throughput"].extend(_throughput_rows(method, _shape(args, tokens), args,
+                                                          cuda))
+            write(args.out, results, markdown(results))
     print(markdown(results))
     return 0
 

@@ -7,13 +7,14 @@ measuring it on first use.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -44,9 +45,10 @@ HOST_PROBE_DTYPE = torch.bfloat16
 """The dtype the host rates are timed in: streamed models keep bf16 parameters, gradients and
 AdamW state (fp32 masters would double the host memory), and the host's fused AdamW runs
 slower per byte in bf16 than in fp32 (on the H100 machine 12-13 GB/s against 18.9 GB/s)."""
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
 """Part of the cache's file name: a calibration cached before what it measures changed (the
-host rates' dtype, version 2) is measured again."""
+host rates' dtype, version 2; the host rates timed with the link busy, version 3) is measured
+again."""
 log = logging.getLogger("storm_compile")
 
 FALLBACK_PROFILE = "cpu-test"
@@ -143,20 +145,54 @@ def _seconds_on_a_thread(work: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def _link_busy(nbytes: int = COPY_BYTES) -> Iterator[None]:
+    """Keep both lanes of the host link copying between pinned host memory and the GPU, on a
+    thread of their own, until the block ends: a streamed step's host additions and optimizer
+    steps run while its weights come in and its gradients go home, and the copies' DMA reads
+    and writes the same host memory they do. Without CUDA, nothing."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    on_device = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    lanes = [torch.cuda.Stream(), torch.cuda.Stream()]
+    done = threading.Event()
+
+    def copy() -> None:
+        while not done.is_set():
+            with torch.cuda.stream(lanes[0]):
+                on_device[0].copy_(buffers[0], non_blocking=True)
+            with torch.cuda.stream(lanes[1]):
+                buffers[1].copy_(on_device[1], non_blocking=True)
+            for lane in lanes:
+                lane.synchronize()
+
+    thread = threading.Thread(target=copy, name="storm-calibrate-link")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def host_rates(nbytes: int = HOST_PROBE_BYTES, repeats: int = HOST_REPEATS
                ) -> dict[str, float]:
     """The host's ``host_add_bandwidth`` and ``host_adamw_bandwidth`` (profile fields), timed
-    on a thread as storm's host thread works, in :data:`HOST_PROBE_DTYPE`: a gradient copy of
-    ``nbytes`` (pinned where CUDA is present) added into ``.grad``, and one fused AdamW step of
-    a parameter of ``nbytes``."""
+    on a thread as storm's host thread works, in :data:`HOST_PROBE_DTYPE`, with both lanes of
+    the link copying (:func:`_link_busy`) where CUDA is present: a gradient copy of ``nbytes``
+    (pinned where CUDA is present) added into ``.grad``, and one fused AdamW step of a parameter
+    of ``nbytes``."""
     elements = nbytes // HOST_PROBE_DTYPE.itemsize
     pin = torch.cuda.is_available()
     param = torch.nn.Parameter(torch.zeros(elements, dtype=HOST_PROBE_DTYPE, pin_memory=pin))
     param.grad = torch.zeros_like(param)
     arrived = torch.ones(elements, dtype=HOST_PROBE_DTYPE, pin_memory=pin)
-    add = _seconds_on_a_thread(lambda: param.grad.add_(arrived), repeats)
     optimizer = torch.optim.AdamW([param], fused=True)
-    adamw = _seconds_on_a_thread(optimizer.step, repeats)
+    with _link_busy():
+        add = _seconds_on_a_thread(lambda: param.grad.add_(arrived), repeats)
+        adamw = _seconds_on_a_thread(optimizer.step, repeats)
     size = elements * HOST_PROBE_DTYPE.itemsize
     return {"host_add_bandwidth": size / add, "host_adamw_bandwidth": size / adamw}
 

@@ -250,6 +250,20 @@ def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     assert "tokens/s" in (tmp_path / "results.md").read_text()
 
 
+def test_streaming_compiles_once_for_every_micro_batch_count(tmp_path):
+    """The micro-batch count does not change the graphs: a method is built and compiled once
+    per tokens per micro-batch, and its later points reuse it."""
+    assert streaming.main(["--smoke", "--tokens", "32", "--micro-batches", "1,3", "--steps", "1",
+                           "--methods", "storm-deferred", "--out", str(tmp_path)]) == 0
+    first, second = json.loads((tmp_path / "results.json").read_text())["throughput"]
+    assert (first["micro_batches"], second["micro_batches"]) == (1, 3)
+    assert first["build_s"] > 0 and "build_s" not in second
+    assert second["graphs"] == first["graphs"] > 0, "the second point compiled again"
+    assert second["pred_tokens_per_s"] > first["pred_tokens_per_s"], \
+        "more micro-batches share one optimizer step"
+    assert "(built)" in (tmp_path / "results.md").read_text()
+
+
 def test_optimizer_smoke_runs_both_updates_to_the_same_weights(tmp_path):
     assert optimizer.main(["--smoke", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())

@@ -14,9 +14,14 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
   streamed parameters are stepped during the backward of each step's last micro-batch.
 * ``storm-deferred``: ``storm-overlap`` with each step's micro-batches in
   :func:`~storm_compile.streaming.gradient_accumulation`: a backward does not wait for its
-  gradients' host additions, which run during the next micro-batch.
+  gradients' host additions, which run during the next micro-batch (whose backward's end
+  waits for them).
 * ``fsdp2-offload``: ``fully_shard`` on every block and the root with ``CPUOffloadPolicy`` on a
-  one-rank process group (torch's hook-based offload), eager, AdamW on the host, same cap.
+  one-rank process group (torch's hook-based offload), eager, AdamW on the host, same cap;
+  gradient accumulation as FSDP2 documents it: ``set_requires_gradient_sync(False)`` for every
+  micro-batch but the last: the gradients before it accumulate unsharded on the GPU, and only
+  the sum is reduced and sent to the host (benchmarks/RESULTS.md has FSDP2 sending every
+  micro-batch's home instead).
 
 Every method runs with the caching allocator's expandable segments unless
 ``PYTORCH_CUDA_ALLOC_CONF`` is set (:data:`ALLOCATOR`).
@@ -149,14 +154,18 @@ def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Ten
 
 
 def _trainer(forward: Callable, optimizer: torch.optim.Optimizer, sync: Callable[[], None],
-             overlapped: OverlappedOptimizer | None = None, deferred: bool = False) -> Callable:
+             overlapped: OverlappedOptimizer | None = None, deferred: bool = False,
+             reduce_gradients: Callable[[bool], None] | None = None) -> Callable:
     """With ``overlapped``, the last micro-batch's backward steps the streamed parameters;
-    ``deferred``, the micro-batches run in :func:`gradient_accumulation`."""
+    ``deferred``, the micro-batches run in :func:`gradient_accumulation`;
+    ``reduce_gradients(last)`` is called before each micro-batch."""
     def step(micro_batches):
         with gradient_accumulation() if deferred else contextlib.nullcontext():
             for index, (tokens, targets) in enumerate(micro_batches):
-                loss = forward(tokens, targets) / len(micro_batches)
                 last = index == len(micro_batches) - 1
+                if reduce_gradients is not None:
+                    reduce_gradients(last)
+                loss = forward(tokens, targets) / len(micro_batches)
                 with overlapped.final_backward() if overlapped and last \
                         else contextlib.nullcontext():
                     loss.backward()
@@ -235,7 +244,9 @@ def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
         fully_shard(block, offload_policy=CPUOffloadPolicy())
     fully_shard(model, offload_policy=CPUOffloadPolicy())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(model, optimizer, args.sync), lambda micro_batches: None)
+    return _Run(_trainer(model, optimizer, args.sync,
+                         reduce_gradients=model.set_requires_gradient_sync),
+                lambda micro_batches: None)
 
 
 BUILDERS = {"compile": _compile, "storm": _storm,

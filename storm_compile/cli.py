@@ -188,7 +188,8 @@ def _parser() -> argparse.ArgumentParser:
                                  "backward (OverlappedOptimizer) instead of after it")
     throughput.add_argument("--accumulate", action="store_true",
                             help="run the micro-batches in gradient_accumulation(): a backward "
-                                 "does not wait for its gradients' host additions")
+                                 "does not wait for its gradients' host additions, the "
+                                 "next micro-batch's does")
     calibrate_cmd = commands.add_parser("calibrate", help="measure the present GPU into a profile")
     calibrate_cmd.add_argument("--out", type=Path, default=None,
                                help="profile JSON to write (default: the backend's cache)")

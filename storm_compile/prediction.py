@@ -73,7 +73,8 @@ class StepPrediction:
     accumulating: bool
     """Whether the micro-batches run in
     :func:`~storm_compile.streaming.gradient_accumulation`: a backward does not wait for the
-    host thread's additions, which run during the next micro-batch."""
+    host thread's additions, which run during the next micro-batch (whose backward waits for
+    them)."""
     micro_batch_s: float
     """A forward and backward whose gradients the host adds (accumulating: the host's
     additions when they take longer than the forward and backward)."""

@@ -151,6 +151,9 @@ class HostAdder:
         self._lock = threading.Lock()
         self._steps: dict[int, _PendingStep] = {}
         self._launched = threading.Event()
+        self._finished = threading.Condition()
+        self._handed_over = 0
+        self._done = 0
 
     def add(self, x: torch.Tensor, param: torch.Tensor, event: torch.cuda.Event | None,
             step: Step | None = None) -> None:
@@ -184,6 +187,16 @@ class HostAdder:
             raise RuntimeError(f"storm: {len(leftover)} parameters' optimizer steps did not "
                                f"run: their gradients did not all arrive")
 
+    def handed_over(self) -> int:
+        """How many jobs the thread has been given so far: a mark for :meth:`wait_for`."""
+        return self._handed_over
+
+    def wait_for(self, mark: int) -> None:
+        """Wait until the thread has finished the first ``mark`` jobs it was given (their
+        errors are raised by the next :meth:`join`)."""
+        with self._finished:
+            self._finished.wait_for(lambda: self._done >= mark)
+
     def on_thread(self) -> bool:
         """Whether the caller runs on this object's host thread."""
         return threading.current_thread() is self._thread
@@ -193,6 +206,7 @@ class HostAdder:
             self._thread = threading.Thread(target=self._run, name="storm-host-adder",
                                             daemon=True)
             self._thread.start()
+        self._handed_over += 1
         self._jobs.put(job)
 
     def _run(self) -> None:
@@ -212,6 +226,9 @@ class HostAdder:
                 self._error = self._error or error
             finally:
                 job = x = param = event = None
+                with self._finished:
+                    self._done += 1
+                    self._finished.notify_all()
                 self._jobs.task_done()
 
     def _step_one(self) -> bool:
@@ -272,6 +289,7 @@ class TransferRuntime:
         self._adder = HostAdder()
         self._joined_task: int | None = None
         self._deferring = 0
+        self._previous_backward = 0
         self._step_pre_hook = None
         self.stepper: Step | None = None
         """While set (:class:`storm_compile.streaming.OverlappedOptimizer`), each streamed
@@ -359,25 +377,29 @@ class TransferRuntime:
         """Every :meth:`accumulate` done (and its step) when the autograd engine's backward
         pass ends, or now outside one: a backward of several graphs (graph breaks) launches
         them all before the host waits, and the steps know every gradient they wait for.
-        Within :meth:`deferred` and without a :attr:`stepper`, nothing waits: the block's end
-        does."""
-        if self._deferring and self.stepper is None:
-            return
+        Within :meth:`deferred` and without a :attr:`stepper`, the backward's end waits only
+        for the additions of the backward before it: the host thread adds one micro-batch's
+        gradients while the GPU runs the next, and no more than two micro-batches' gradients
+        wait in pinned buffers; the block's end waits for the rest."""
         task = _current_backward()
         if task is None:
-            self._adder.join()
+            self._end_of_backward()
         elif task != self._joined_task:
             self._joined_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._joined_task = None
-        self._adder.join()
+        if self._deferring and self.stepper is None:
+            self._adder.wait_for(self._previous_backward)
+            self._previous_backward = self._adder.handed_over()
+        else:
+            self._adder.join()
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """A block whose backwards do not wait for the host thread's additions; its end waits
-        for them all, and so does any optimizer step, in it or after it, run off the host
+        """A block whose backwards wait only for the host thread's additions of the backward
+        before them (:meth:`wait_host`); its end waits for them all, and so does any optimizer step, in it or after it, run off the host
         thread (see :func:`storm_compile.streaming.gradient_accumulation`)."""
         if self._step_pre_hook is None:
             self._step_pre_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)

@@ -294,7 +294,8 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
     (fused, on the host) over its streamed weights: after the last backward, or, ``overlapped``
     (:class:`~storm_compile.streaming.OverlappedOptimizer`), on the host thread during it.
     ``accumulating`` (:func:`~storm_compile.streaming.gradient_accumulation`): a micro-batch
-    but the last does not wait for its gradients' additions, which run during the next one;
+    but the last does not wait for its gradients' additions, which run during the next one
+    (whose end waits for them);
     a micro-batch then takes its forward and backward or the host's additions, whichever is
     longer. The optimizer's device work for parameters left on the device is not counted (for
     a streamed model: its norms and biases, a few MiB)."""

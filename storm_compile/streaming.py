@@ -219,9 +219,11 @@ class OverlappedOptimizer:
 @contextlib.contextmanager
 def gradient_accumulation() -> Iterator[None]:
     """Gradient accumulation over micro-batches without waiting between them: inside this
-    block, a backward returns once its kernels and copies are launched, and the host thread
-    adds its streamed parameters' gradients while the next micro-batch runs; the block's end
-    waits for every addition (and raises the first error one hit), and so does any
+    block, a backward returns once its kernels and copies are launched and the backward before
+    it has its gradients added: the host thread adds a micro-batch's streamed gradients while
+    the next micro-batch runs, and a host slower than the GPU holds the GPU back rather than
+    queueing every micro-batch's gradients in pinned memory. The block's end waits for every
+    addition (and raises the first error one hit), and so does any
     ``optimizer.step()``::
 
         with gradient_accumulation():

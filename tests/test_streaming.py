@@ -512,6 +512,24 @@ def test_deferred_backwards_leave_the_additions_to_the_block_end_or_the_optimize
         torch.testing.assert_close(weight.grad, torch.ones(2))
 
 
+def test_a_deferred_backward_waits_for_the_additions_of_the_one_before_it():
+    """In ``gradient_accumulation()`` the end of a backward waits for the previous backward's
+    additions, not its own: the host is at most one micro-batch behind the GPU."""
+    runtime = get_runtime()
+    weight = torch.zeros(2, requires_grad=True)
+    first, second = _Copy(), _Copy()
+    with streaming.gradient_accumulation():
+        runtime._adder.add(torch.ones(2), weight, first)
+        runtime.wait_host()
+        assert weight.grad is None, "the first backward's end waited for its own addition"
+        threading.Timer(WORKER_SETTLE_S, first.done.set).start()
+        runtime._adder.add(torch.full((2,), 2.0), weight, second)
+        runtime.wait_host()
+        torch.testing.assert_close(weight.grad, torch.ones(2))
+        second.done.set()
+    torch.testing.assert_close(weight.grad, torch.full((2,), 3.0))
+
+
 def test_host_adder_logs_each_addition_at_debug_level(caplog):
     adder = HostAdder()
     weight = torch.zeros(4, requires_grad=True)

@@ -88,22 +88,18 @@ TRANSFER_HOST_S = 178e-6
 the H100 machine (136 µs on the lent H200's host); every built-in profile uses it, since it is
 the host CPU's figure, not the GPU's: calibrate yours."""
 
-STREAMED_3B_8_LAYER_BYTES = 2_398_617_600
-"""Bytes of the parameters ``benchmarks.streaming`` streamed for the 3B shape cut to 8 layers
-(bf16, everything of 1 MiB or more): the measurements the two host rates below come from."""
+HOST_ADAMW_BANDWIDTH = 9.18e9
+"""Bytes of bf16 parameters per second fused AdamW steps on the H100 machine's host (16 cores),
+as ``storm calibrate``'s routine measured it there (``benchmarks.streaming``'s in-process
+calibration, 9.18 GB/s): on a thread, with both lanes of the link copying, since a streamed
+step's optimizer runs while weights come in and gradients go home and the copies' DMA shares
+the host's memory (with the link idle an earlier calibration there gave 13.3 GB/s). A figure
+of the host, not of the GPU: calibrate yours."""
 
-HOST_ADAMW_BANDWIDTH = STREAMED_3B_8_LAYER_BYTES / 0.183
-"""Fused AdamW on the H100 machine's host (16 cores) stepped those parameters in a median
-183 ms (benchmarks/RESULTS.md, one micro-batch of 4096 tokens): 13.1 GB/s of parameter bytes;
-``storm calibrate`` there (bf16) measured 13.3 GB/s. Like ``TRANSFER_HOST_S``, a figure of the
-host, not of the GPU: calibrate yours."""
-
-HOST_ADD_BANDWIDTH = STREAMED_3B_8_LAYER_BYTES / 0.065
-"""The same run with four micro-batches spent up to 65 ms per micro-batch after the first
-adding those parameters' gradients into ``.grad`` on the host (its step time less four forward
-and backward passes and the optimizer): 36.9 GB/s of gradient bytes, the slower end of the
-50-65 ms seen; ``storm calibrate`` there (bf16) measured 38.7 GB/s. A figure of the host:
-calibrate yours."""
+HOST_ADD_BANDWIDTH = 15.9e9
+"""Bytes of bf16 gradients per second the H100 machine's host adds into ``.grad``, measured by
+the same calibration with both link lanes copying (15.87 GB/s; 38.7 GB/s with the link idle,
+in the earlier calibration). A figure of the host: calibrate yours."""
 
 HOST_RATES = {"host_add_bandwidth": HOST_ADD_BANDWIDTH,
               "host_adamw_bandwidth": HOST_ADAMW_BANDWIDTH}

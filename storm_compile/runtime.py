@@ -399,8 +399,9 @@ class TransferRuntime:
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         """A block whose backwards wait only for the host thread's additions of the backward
-        before them (:meth:`wait_host`); its end waits for them all, and so does any optimizer step, in it or after it, run off the host
-        thread (see :func:`storm_compile.streaming.gradient_accumulation`)."""
+        before them (:meth:`wait_host`); its end waits for them all, and so does any optimizer
+        step, in it or after it, run off the host thread (see
+        :func:`storm_compile.streaming.gradient_accumulation`)."""
         if self._step_pre_hook is None:
             self._step_pre_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         self._deferring += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 
-from storm_compile import cli
+from storm_compile import commands
 from storm_compile.config import DEFAULT_PROFILE
 from storm_compile.graphs import StormGraphs
 
@@ -35,8 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-budget", default="0.5")
     parser.add_argument("--profile", default=DEFAULT_PROFILE)
     options = parser.parse_args(argv)
-    ctx = cli.planning_context(profile=options.profile, memory_budget=options.memory_budget)
-    seconds = pass_seconds(cli.plan_model("gpt", ctx, layers=options.layers))
+    ctx = commands.planning_context(profile=options.profile, memory_budget=options.memory_budget)
+    seconds = pass_seconds(commands.plan_model("gpt", ctx, layers=options.layers))
     for name, total in seconds.items():
         print(f"{name:20s} {total:7.3f} s")
     planner = sum(seconds[p] for p in PLANNER_PASSES)

@@ -18,9 +18,20 @@ if importlib.util.find_spec(f"{__name__}.passes") is None and _SOURCE_PASSES.is_
     sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[_spec.name])
 
-from storm_compile.backend import StormBackend, storm  # noqa: E402  (needs the passes above)
-from storm_compile.config import StormConfig  # noqa: E402
-
 __version__ = "0.1.0"
 
 __all__ = ["storm", "StormBackend", "StormConfig", "__version__"]
+
+_LAZY = {"storm": "storm_compile.backend", "StormBackend": "storm_compile.backend",
+         "StormConfig": "storm_compile.config"}
+"""The module that defines each public name but the version. Those modules import torch, so a
+name is imported on its first use (:func:`__getattr__`), and importing the package does not load
+torch: ``storm --help`` and ``storm --version`` print at once."""
+
+
+def __getattr__(name: str) -> object:
+    """A public name of :data:`_LAZY`, imported from its module (PEP 562); the backend's module
+    needs the passes above."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -55,10 +55,6 @@ FALLBACK_PROFILE = "cpu-test"
 """Profile of ``"auto"`` without CUDA where the graphs run on the CPU (the backend, with
 ``transfer_cpu_tensors``): only CPU graphs are planned there."""
 
-GPU_PLANNING_PROFILE = "h100"
-"""Profile of ``"auto"`` without CUDA where the graphs are planned for a GPU that is absent (the
-CLI traces on the CPU): the GPU the project's anchors were measured on."""
-
 
 def _median_seconds(work: Callable[[], None], repeats: int = REPEATS) -> float:
     work()

@@ -8,13 +8,14 @@ fused QKV projection, causal ``scaled_dot_product_attention``, an output project
 SwiGLU MLP.
 Its input and output are ``(batch, seq, d_model)`` residual-stream tensors, so the figures
 measure the blocks alone (no embedding, final norm or vocabulary projection).
+
+The shapes they are built from are defined in :mod:`storm_compile.shapes`, which imports no
+torch, for the command line's help; they are importable from here too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
-import math
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FFN_MULTIPLE = 256
-"""SwiGLU hidden sizes are rounded up to a multiple of this, as Llama does, for matmul tiling."""
-
-
-def swiglu_hidden(d_model: int) -> int:
-    """8/3·d rounded up to FFN_MULTIPLE: ≈2.7×d, the MLP width of the benchmarked stack."""
-    return FFN_MULTIPLE * math.ceil(8 * d_model / 3 / FFN_MULTIPLE)
+from storm_compile.shapes import (  # noqa: F401  (re-exported, as they were defined here)
+    BUILTIN_MODELS,
+    FFN_MULTIPLE,
+    FLOAT_DTYPES,
+    LLAMA_PRESETS,
+    GPTShape,
+    LlamaShape,
+    ModelSpecError,
+    swiglu_hidden,
+)
 
 
 class Block(nn.Module):
@@ -67,46 +71,6 @@ class GPT(nn.Module):
         return x
 
 
-class ModelSpecError(ValueError):
-    """A model given on the command line, or a gpt shape, cannot be built or traced."""
-
-
-FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
-"""Parameter and activation dtypes of the built-in gpt: training needs floating point."""
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTShape:
-    """Shape of the built-in gpt. The defaults are the first benchmark configuration
-    (d2048/T2048/L8/B4, bf16), so ``storm schedule gpt`` shows what storm's defaults do there:
-    without a budget, offloads may spend 1 % of the predicted step (half of ``max_overhead``) and
-    each storage moved costs 178 µs of host time on the h100 profile, so its ~35 ms step moves
-    a storage where four of these layers (~18 ms) would move none."""
-
-    d_model: int = 2048
-    layers: int = 8
-    heads: int = 16
-    seq: int = 2048
-    batch: int = 4
-    hidden: int | None = None
-    """SwiGLU width; None means :func:`swiglu_hidden` of ``d_model``."""
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        sizes = ("d_model", "layers", "heads", "seq", "batch",
-                 *(("hidden",) if self.hidden is not None else ()))
-        for name in sizes:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelSpecError(f"gpt {name} must be a positive int, got {value!r}")
-        if self.d_model % self.heads:
-            raise ModelSpecError(f"gpt d_model ({self.d_model}) must be divisible by heads "
-                                 f"({self.heads})")
-        if self.dtype not in FLOAT_DTYPES:
-            raise ModelSpecError(f"gpt dtype must be one of {', '.join(FLOAT_DTYPES)}, "
-                                 f"got {self.dtype!r}")
-
-
 def build_gpt(shape: GPTShape, device: torch.device | str = "cpu"
               ) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     dtype = getattr(torch, shape.dtype)
@@ -124,64 +88,6 @@ INIT_STD = 0.02
 """Standard deviation of every weight matrix and the embedding at initialisation (Llama's):
 with PyTorch's default embedding init (std 1) tied to the output projection, the first loss is
 in the thousands instead of near ln(vocab)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaShape:
-    """Shape of the built-in Llama-style model: a token embedding, blocks of grouped-query
-    attention with rotary positions and a SwiGLU MLP behind RMSNorms, a final norm and the
-    vocabulary projection; ``seq`` and ``batch`` size the example batch."""
-
-    d_model: int
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    tie_embeddings: bool = False
-    seq: int = 2048
-    batch: int = 1
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        for name in ("d_model", "layers", "hidden", "heads", "kv_heads", "vocab", "seq",
-                     "batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ModelSpecError(f"llama {name} must be a positive int, got {value!r}")
-        if self.d_model % self.heads or self.heads % self.kv_heads \
-                or (self.d_model // self.heads) % 2:
-            raise ModelSpecError(f"llama d_model ({self.d_model}) must split into heads "
-                                 f"({self.heads}) of even width, in groups of kv_heads "
-                                 f"({self.kv_heads})")
-        if self.dtype not in FLOAT_DTYPES:
-            raise ModelSpecError(f"llama dtype must be one of {', '.join(FLOAT_DTYPES)}, "
-                                 f"got {self.dtype!r}")
-
-    @property
-    def parameters(self) -> int:
-        """Parameter count (weights of every Linear, embedding and norm)."""
-        head = self.d_model // self.heads
-        attention = self.d_model * head * (2 * self.heads + 2 * self.kv_heads)
-        block = attention + 3 * self.d_model * self.hidden + 2 * self.d_model
-        vocab = self.vocab * self.d_model * (1 if self.tie_embeddings else 2)
-        return self.layers * block + vocab + self.d_model
-
-
-LLAMA_PRESETS: dict[str, LlamaShape] = {
-    # Llama 3.2 1B.
-    "1b": LlamaShape(d_model=2048, layers=16, hidden=8192, heads=32, kv_heads=8, vocab=128256,
-                     tie_embeddings=True),
-    # Llama 3.2 3B.
-    "3b": LlamaShape(d_model=3072, layers=28, hidden=8192, heads=24, kv_heads=8, vocab=128256,
-                     tie_embeddings=True),
-    # Llama 3.1 8B.
-    "8b": LlamaShape(d_model=4096, layers=32, hidden=14336, heads=32, kv_heads=8,
-                     vocab=128256),
-    # A few MiB, for tests and CPU runs.
-    "tiny": LlamaShape(d_model=64, layers=2, hidden=176, heads=4, kv_heads=2, vocab=256,
-                       seq=32, batch=2, dtype="float32"),
-}
 
 
 def rotary(seq: int, head: int, device: torch.device | str | None = None
@@ -265,9 +171,6 @@ def build_llama(shape: LlamaShape, device: torch.device | str = "cpu"
     model = Llama(shape, device=device, dtype=getattr(torch, shape.dtype))
     tokens = torch.randint(shape.vocab, (shape.batch, shape.seq + 1), device=device)
     return model, (tokens[:, :-1], tokens[:, 1:])
-
-
-BUILTIN_MODELS = ("gpt", "llama")
 
 
 def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...]]:

@@ -139,6 +139,16 @@ PROFILES: dict[str, DeviceProfile] = {
                               host_adamw_bandwidth=5e9),
 }
 
+DEFAULT_PROFILE = "auto"
+"""Device profile of the backend and of the CLI alike, resolved by
+:func:`storm_compile.calibrate.profile_for`. Defined here, with the profiles, rather than in
+:mod:`storm_compile.config`, which imports torch: the CLI's help names it without loading torch."""
+
+GPU_PLANNING_PROFILE = "h100"
+"""Profile of ``"auto"`` without CUDA where the graphs are planned for a GPU that is absent (the
+CLI traces on the CPU): the GPU the project's anchors were measured on. Defined here rather than
+in :mod:`storm_compile.calibrate`, which imports torch, for the same reason."""
+
 
 def resolve_profile(spec: str | DeviceProfile) -> DeviceProfile:
     """A built-in profile by name, or one read from a JSON file path."""

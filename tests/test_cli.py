@@ -7,13 +7,15 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 
+import storm_compile
 from benchmarks.activation_memory import CONFIGS, QUICK_CONFIG
-from storm_compile import cli, ops
+from storm_compile import commands, ops
 from storm_compile.cli import EXIT_USAGE, main
 from storm_compile.backend import StormBackend
 from storm_compile.config import GIB, StormConfig, StormOptionError
@@ -199,13 +201,13 @@ def test_cli_resolves_profiles_as_the_backend_does(monkeypatch):
     GPU (h100). Names and paths resolve alike, and so do their errors."""
     assert StormConfig().profile == "auto"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cli.planning_context().cost.profile.name == "h100"
+    assert commands.planning_context().cost.profile.name == "h100"
     assert StormBackend(StormConfig()).ctx.cost.profile.name == "cpu-test"
-    assert cli.planning_context(profile="h200").cost.profile.name == "h200"
+    assert commands.planning_context(profile="h200").cost.profile.name == "h200"
     assert StormBackend(StormConfig(profile="h200")).ctx.cost.profile.name == "h200"
     message = "storm option 'profile': unknown device profile 'tpu-v9'"
     with pytest.raises(StormOptionError, match=message):
-        cli.planning_context(profile="tpu-v9")
+        commands.planning_context(profile="tpu-v9")
     with pytest.raises(StormOptionError, match=message):
         StormBackend(StormConfig(profile="tpu-v9"))
 
@@ -308,15 +310,15 @@ class _ModelOutput(collections.OrderedDict):
 
 def test_differentiated_outputs_rule():
     y, z, ids, loss = torch.randn(2), torch.randn(3), torch.arange(2), torch.tensor(1.0)
-    assert cli.differentiated(y, "m") == (y,)
-    assert cli.differentiated({"loss": loss, "logits": y}, "m") == (loss,)
-    assert cli.differentiated(_ModelOutput(loss=loss, logits=y), "m") == (loss,)
-    assert cli.differentiated({"loss": None, "logits": y, "ids": ids}, "m") == (y,)
-    assert cli.differentiated(_Pair(y, ids), "m") == (y,)
-    assert cli.differentiated(_Out(y, [ids, (z, 3)]), "m") == (y, z)
-    assert cli.differentiated([y, {"z": z}], "m") == (y, z)
+    assert commands.differentiated(y, "m") == (y,)
+    assert commands.differentiated({"loss": loss, "logits": y}, "m") == (loss,)
+    assert commands.differentiated(_ModelOutput(loss=loss, logits=y), "m") == (loss,)
+    assert commands.differentiated({"loss": None, "logits": y, "ids": ids}, "m") == (y,)
+    assert commands.differentiated(_Pair(y, ids), "m") == (y,)
+    assert commands.differentiated(_Out(y, [ids, (z, 3)]), "m") == (y, z)
+    assert commands.differentiated([y, {"z": z}], "m") == (y, z)
     with pytest.raises(ModelSpecError, match="no floating-point tensor"):
-        cli.differentiated((ids, 3), "m")
+        commands.differentiated((ids, 3), "m")
 
 
 def _one_line_error(capsys) -> str:
@@ -431,6 +433,57 @@ def test_console_script_exit_code_and_no_traceback():
                              "nowhere.py:f"], capture_output=True, text=True)
     assert result.returncode == EXIT_USAGE
     assert "Traceback" not in result.stderr
+
+
+WITHOUT_TORCH = """
+import sys
+from storm_compile.cli import main
+try:
+    status = main(sys.argv[1:])
+except SystemExit as exited:
+    status = exited.code
+assert "torch" not in sys.modules, "the command line imported torch"
+sys.exit(status)
+"""
+"""Runs ``storm`` with the arguments after ``-c`` in a fresh interpreter, and fails if anything
+it imported loaded torch."""
+
+
+def _without_torch(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH, *argv], capture_output=True,
+                          text=True)
+
+
+@pytest.mark.parametrize("argv, status, printed", [
+    (["--help"], 0, "usage: storm [-h] [--version]"),
+    (["schedule", "--help"], 0, "usage: storm schedule"),
+    (["pareto", "--help"], 0, "usage: storm pareto"),
+    (["throughput", "--help"], 0, "usage: storm throughput"),
+    (["calibrate", "--help"], 0, "usage: storm calibrate"),
+    (["schedule", "gpt", "--seq", "abc"], EXIT_USAGE, "argument --seq: invalid int value"),
+])
+def test_help_and_usage_errors_print_without_importing_torch(argv, status, printed):
+    result = _without_torch(argv)
+    assert result.returncode == status, result.stderr
+    assert printed in result.stdout + result.stderr
+
+
+def test_version_prints_the_package_version_without_importing_torch():
+    result = _without_torch(["--version"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"storm-compile {storm_compile.__version__}\n"
+
+
+def test_package_version_is_pyproject_version():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11 and later")
+    with (Path(__file__).resolve().parent.parent / "pyproject.toml").open("rb") as pyproject:
+        assert storm_compile.__version__ == tomllib.load(pyproject)["project"]["version"]
+
+
+def test_throughput_help_offers_only_the_built_in_models(capsys):
+    with pytest.raises(SystemExit):
+        main(["throughput", "--help"])
+    assert "file.py:factory" not in capsys.readouterr().out
 
 
 def test_schedule_memory_budget_shows_each_decision(capsys):
@@ -589,8 +642,8 @@ def test_throughput_plans_each_micro_batch_size(capsys):
 def test_a_tied_weight_gets_the_gradients_of_all_its_uses():
     """Traced once, the tied embedding's gradient sent home is the sum of the embedding's and
     the output projection's, as under torch.compile."""
-    graphs = cli.plan_model("llama", cli.planning_context(), stream=True, preset="1b", layers=1,
-                            seq=256)
+    graphs = commands.plan_model("llama", commands.planning_context(), stream=True, preset="1b",
+                                 layers=1, seq=256)
     vocab = LLAMA_PRESETS["1b"].vocab
     (sent,) = [n for n in graphs.backward.graph.nodes if n.target is ops.send_grad
                and n.meta["val"].shape[0] == vocab]

@@ -6,6 +6,7 @@ through the ``torch_dynamo_backends`` entry point); ``storm(**options)`` builds 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -26,7 +27,8 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 from torch._inductor.decomposition import select_decomp_table
 
-from storm_compile import passes
+import storm_compile
+from storm_compile import passes, plan_cache
 from storm_compile.calibrate import profile_for
 from storm_compile.config import StormConfig, StormOptionError
 from storm_compile.cost_model import CostModel, MeasuredCosts
@@ -59,6 +61,11 @@ _SOURCE_FILES = tuple(sorted(str(p) for d in (Path(__file__).parent, Path(passes
 """storm's sources, wherever the build put them: the cache key of its plans."""
 
 
+@functools.cache
+def _sources_hash() -> str:
+    return get_hash_for_files(_SOURCE_FILES).hex()
+
+
 class StormPartitioner(CustomPartitionerFn):
     """AOTAutograd partition function: the default min-cut split, then storm's passes."""
 
@@ -66,23 +73,45 @@ class StormPartitioner(CustomPartitionerFn):
                  observer: Callable[[StormGraphs], None] | None = None) -> None:
         self.ctx = ctx
         self.observer = observer
+        self.ledger = ""
+        """The step's ledger the next graph is planned against (:meth:`StepBudget.ledger_key`),
+        set by the backend before each compile; empty without a budget."""
+        self.record_key: str | None = None
+        """Where the next graph's :class:`~storm_compile.plan_cache.PlanRecord` goes, set by the
+        backend before each compile; None when the graph cannot be cached."""
         self._uncached = f"storm-uncached-{uuid4()}"
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs: Any):
-        return storm_partition(joint, joint_inputs, ctx=self.ctx, observer=self.observer,
-                               **kwargs)
+        """Plan and rewrite the graph; store its plan record before AOTAutograd stores the
+        compiled graphs (so a cache entry never lacks its record)."""
+        step = self.ctx.step
+        recorded = step.last
+        with warnings.catch_warnings(record=True) as raised:
+            graphs = storm_partition(joint, joint_inputs, ctx=self.ctx, observer=self.observer,
+                                     **kwargs)
+        if self.record_key is not None:
+            share = step.share(step.last) if step.last != recorded else None
+            plan_cache.store(self.record_key, plan_cache.PlanRecord(
+                share, tuple(str(w.message) for w in raised if _is_storm_warning(w))))
+        for warning in raised:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno, source=warning.source)
+        return graphs
+
+    def key(self) -> str | None:
+        """What a plan depends on besides the graph: storm's version and sources, the options,
+        the device profile, the rank (in a process group each rank plans, and checks with the
+        others, :mod:`storm_compile.ranks`, every graph itself) and the step's ledger. None
+        with an observer or a cost override, whose effects no key can capture."""
+        if self.observer is not None or self.ctx.cost.override is not None:
+            return None
+        return repr((storm_compile.__version__, _sources_hash(), self.ctx.config, self.ctx.cost.profile,
+                     rank_key(), self.ledger))
 
     def uuid(self) -> Any:
-        """A cache key for AOTAutograd's cache, or None to bypass it: with an observer or a
-        cost override, and with a memory budget, whose plan for a graph depends on what the
-        step's other graphs planned (a cache hit would skip recording this graph's share).
-        In a process group each rank keys its own plans, so that every rank plans, and checks
-        with the others (:mod:`storm_compile.ranks`), the same graphs."""
-        if self.observer is not None or self.ctx.cost.override is not None \
-                or self.ctx.config.memory_budget is not None:
-            return None
-        return (get_hash_for_files(_SOURCE_FILES), repr(self.ctx.config),
-                repr(self.ctx.cost.profile), rank_key())
+        """AOTAutograd's and Inductor's cache key of the partitioner: :meth:`key`, or None
+        (no cache entry is reused)."""
+        return self.key()
 
     def __reduce__(self):
         """Torch's caches pickle the Inductor config, which holds this partitioner: it pickles
@@ -90,6 +119,15 @@ class StormPartitioner(CustomPartitionerFn):
         shares (AOTAutograd's cache then misses instead of reusing another plan)."""
         key = self.uuid()
         return str, (self._uncached if key is None else f"storm-{key}",)
+
+
+class StormCacheError(RuntimeError):
+    """torch's cache holds a compiled graph of storm's without the plan record beside it."""
+
+
+def _is_storm_warning(warning: warnings.WarningMessage) -> bool:
+    return issubclass(warning.category, RuntimeWarning) and str(warning.message).startswith(
+        "storm:")
 
 
 def _needs_backward(example_inputs: list[Any]) -> bool:
@@ -108,6 +146,8 @@ class StormBackend:
                  observer: Callable[[StormGraphs], None] | None = None,
                  cost_override: Callable[[fx.Node], float | None] | None = None) -> None:
         self.config = config
+        self.observer = observer
+        self.cost_override = cost_override
         profile = profile_for(config.profile)
         if config.cost == "measured":
             if not torch.cuda.is_available():
@@ -117,23 +157,26 @@ class StormBackend:
         self.ctx = PassContext(config, CostModel(profile, cost_override))
         self.partitioner = StormPartitioner(self.ctx, observer)
         self._warned_split = False
+        self._variants: dict[tuple, StormBackend] = {}
 
     def __repr__(self) -> str:
         return f"StormBackend({self.config})"
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any],
+                 mode: str | None = None, options: dict[str, Any] | None = None):
+        """Compile ``gm``. ``mode`` and ``options`` are ``torch.compile``'s: they override this
+        backend's ``mode`` and options (:meth:`variant`)."""
+        if mode is not None or options:
+            return self.variant(mode, options)(gm, example_inputs)
         if not _needs_backward(example_inputs):
             log.debug("storm: inference graph (grad mode off or no input requires grad): "
                       "nothing is saved for a backward; compiling unchanged")
-        step, recorded = self.ctx.step, self.ctx.step.last
-        if self.config.inner == "eager":
-            compiled = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                                    partition_fn=self.partitioner,
-                                    keep_inference_input_mutations=True)(gm, example_inputs)
-        else:
-            compiled = compile_fx(gm, example_inputs, inner_compile=_compile_graph,
-                                  config_patches={"custom_partitioner_fn": self.partitioner},
-                                  decompositions=_decompositions())
+        step = self.ctx.step
+        graph, recorded = step.peek_graph(), step.last
+        self._prepare(gm, example_inputs, graph)
+        compiled = self._compile(gm, example_inputs)
+        if step.last == recorded and self.partitioner.record_key is not None:
+            self._replay(self.partitioner.record_key)
         budget = self.config.memory_budget
         if step.last == recorded:
             return compiled
@@ -142,6 +185,54 @@ class StormBackend:
         if not isinstance(budget, int):
             return compiled
         return _counting_runs(compiled, step, step.last, budget)
+
+    def variant(self, mode: str | None, options: dict[str, Any] | None) -> StormBackend:
+        """This backend with ``mode`` and ``options`` over its own, validated as ``storm(...)``
+        validates them; made once per distinct pair, so all graphs of a compile share one
+        step ledger."""
+        key = (mode, tuple(sorted((options or {}).items())))
+        if key not in self._variants:
+            fields = {**dataclasses.asdict(self.config), **(options or {}),
+                      **({} if mode is None else {"mode": mode})}
+            self._variants[key] = StormBackend(StormConfig.from_options(**fields),
+                                               self.observer, self.cost_override)
+        return self._variants[key]
+
+    def _prepare(self, gm: fx.GraphModule, example_inputs: list[Any], graph: GraphId) -> None:
+        """Give the partitioner ``graph``'s cache key (the ledger it is planned against) and
+        the key of its plan record (None when it cannot be cached or plans nothing)."""
+        budgeted = self.config.memory_budget is not None
+        self.partitioner.ledger = self.ctx.step.ledger_key(graph) if budgeted else ""
+        key = self.partitioner.key()
+        cached = key is not None and self.config.inner != "eager" \
+            and _needs_backward(example_inputs)
+        self.partitioner.record_key = (plan_cache.record_key(key, gm, example_inputs)
+                                       if cached else None)
+
+    def _replay(self, record_key: str) -> None:
+        """AOTAutograd's cache served the graph without planning it: record its share of the
+        step's budget and raise its planning's warnings, as planning did."""
+        record = plan_cache.load(record_key)
+        if record is None:
+            raise StormCacheError(
+                f"storm: AOTAutograd's cache served a graph whose plan record "
+                f"{plan_cache.record_dir() / record_key}.json is missing or unreadable; remove "
+                f"the Inductor cache directory ({plan_cache.record_dir().parent}) or set "
+                f"TORCHINDUCTOR_CACHE_DIR to a new one")
+        if record.share is not None:
+            self.ctx.step.record(self.ctx.step.next_graph(), record.share)
+        for message in record.warnings:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        if self.config.inner == "eager":
+            return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                                partition_fn=self.partitioner,
+                                keep_inference_input_mutations=True)(gm, example_inputs)
+        return compile_fx(gm, example_inputs, inner_compile=_compile_graph,
+                          config_patches={"custom_partitioner_fn": self.partitioner,
+                                          **torch._inductor.list_mode_options(self.config.mode)},
+                          decompositions=_decompositions())
 
     def _warn_split(self) -> None:
         """Once: a frame made several graphs, so DDPOptimizer split it by gradient bucket, and
@@ -183,7 +274,17 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
     return run
 
 
-def _decompositions() -> dict:
+class _Decompositions(dict):
+    """Inductor's decomposition table less :data:`KEPT_WHOLE`. torch's cache keys pickle it;
+    its entries include C++ functions, which have no stable pickle, so it pickles as the call
+    that makes it (the call's effect is covered by the key's torch version and storm's
+    sources)."""
+
+    def __reduce__(self):
+        return _decompositions, ()
+
+
+def _decompositions() -> _Decompositions:
     """Inductor's decomposition table (as its config selects it now) without
     :data:`KEPT_WHOLE`, whose ops get Inductor's fallback lowering (aten's kernel, contiguous
     inputs, as Inductor gives a backward's implicit fallbacks). Registered here rather than left
@@ -191,19 +292,23 @@ def _decompositions() -> dict:
     decomposes; a graph compiled without storm still decomposes them before lowering."""
     for op in KEPT_WHOLE - lowering.lowerings.keys():
         lowering.make_fallback(op, lowering.require_contiguous, warn=False, override_decomp=True)
-    return {op: fn for op, fn in select_decomp_table().items() if op not in KEPT_WHOLE}
+    return _Decompositions((op, fn) for op, fn in select_decomp_table().items()
+                           if op not in KEPT_WHOLE)
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):
     """Inductor's compile of one forward or backward graph, as ``torch.compile`` does it; in a
     graph with storm's transfers, Inductor's peak-memory reordering is followed by
     :func:`~storm_compile.pin_transfers.pin_transfers`, which puts the copies back where
-    storm placed them."""
+    storm placed them. Inductor's FX graph cache keys it on the graph and on the Inductor
+    config, which holds storm's partitioner: its key covers storm's sources."""
     moves = any(is_transfer(n) for n in gm.graph.nodes)
-    # The graph is partitioned already: Inductor's FX graph cache keys on the graph, not on
-    # the partitioner that made it.
-    with inductor_config.patch(custom_partitioner_fn=None,
-                               **(inductor_patches() if moves else {})):
+    if moves and inductor_config.triton.cudagraphs:
+        raise StormOptionError(
+            "storm: CUDA graphs (mode='reduce-overhead' or 'max-autotune') cannot replay "
+            "storm's copies, whose pinned host buffers are taken from a pool at each step; use "
+            "mode='max-autotune-no-cudagraphs' or the default mode")
+    with inductor_config.patch(inductor_patches() if moves else {}):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
@@ -214,9 +319,11 @@ def storm(**options: Any) -> StormBackend:
     return StormBackend(StormConfig.from_options(**options))
 
 
-def storm_backend(gm: fx.GraphModule, example_inputs: list[Any]):
-    """The backend registered as ``"storm"``: storm with default options."""
-    return _default_backend()(gm, example_inputs)
+def storm_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                  options: dict[str, Any] | None = None):
+    """The backend registered as ``"storm"``: storm with default options, or with
+    ``torch.compile``'s ``mode`` and ``options`` (exactly ``storm(mode=mode, **options)``)."""
+    return _default_backend()(gm, example_inputs, mode=mode, options=options)
 
 
 @functools.cache

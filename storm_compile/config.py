@@ -12,6 +12,7 @@ import os
 import re
 from typing import Any, Literal, get_args
 
+from storm_compile.profiles import DEFAULT_PROFILE
 from storm_compile.vocabulary import GIB, KIB, MIB, TIB
 
 DEFAULT_MIN_OFFLOAD_BYTES = 1 * MIB
@@ -30,6 +31,7 @@ swapped, and the data loader and the rest of the process need the other half."""
 InnerCompiler = Literal["inductor", "eager"]
 OffloadMode = Literal["hidden", "all"]
 CostMode = Literal["roofline", "measured"]
+InductorMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 DEFAULT_MAX_OVERHEAD = 0.02
 """``memory_budget="auto"`` saves as much activation memory as a predicted step-time overhead of
@@ -53,10 +55,6 @@ CPU_PLANNING: dict[str, object] = {"transfer_cpu_tensors": True}
 transfers placed, inserted and verified as for a GPU (the ops become plain copies). The CLI
 (tracing on the CPU to plan for a GPU), the tests and the benchmarks' CPU runs all start from it
 and add, on top, what only they need (such as ``min_offload_bytes=0`` for tiny models)."""
-
-DEFAULT_PROFILE = "auto"
-"""Device profile of the backend and of the CLI alike, resolved by
-:func:`storm_compile.calibrate.profile_for`."""
 
 _SIZE_UNITS = {"": 1, "b": 1, "kib": KIB, "mib": MIB, "gib": GIB, "tib": TIB,
                "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -170,6 +168,12 @@ class StormConfig:
     """Compiler for the rewritten forward and backward graphs: ``"inductor"`` (what
     ``torch.compile`` uses) or ``"eager"`` (run the FX graphs as they are, for debugging)."""
 
+    mode: InductorMode = "default"
+    """Inductor's mode, as ``torch.compile(model, mode=...)`` names it (``torch.compile(model,
+    backend="storm", mode=...)`` sets it). The CUDA graph modes (``"reduce-overhead"``,
+    ``"max-autotune"``) refuse a graph that holds storm's copies: their pinned host buffers
+    are taken from a pool at each step, which a replayed graph would not do."""
+
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
     """Saved activations smaller than this stay on the GPU."""
 
@@ -243,7 +247,7 @@ class StormConfig:
 
     def _validate(self) -> None:
         for name, kind in (("inner", InnerCompiler), ("offload", OffloadMode),
-                           ("cost", CostMode)):
+                           ("cost", CostMode), ("mode", InductorMode)):
             allowed = get_args(kind)
             if getattr(self, name) not in allowed:
                 raise StormOptionError(f"storm option {name!r}: expected one of {allowed}, "
@@ -262,6 +266,9 @@ class StormConfig:
                 or not 0 <= self.max_overhead < math.inf:
             raise StormOptionError(f"storm option 'max_overhead': expected a finite fraction >= 0 "
                                    f"(0.02 is 2 %), got {self.max_overhead!r}")
+        if self.inner == "eager" and self.mode != "default":
+            raise StormOptionError(f"storm options inner='eager' and mode={self.mode!r} "
+                                   f"conflict: the mode is Inductor's; give one")
         if self.memory_budget is not None and self.offload == "all":
             raise StormOptionError("storm options 'memory_budget' and offload='all' conflict: "
                                    "'all' moves every activation off the device; give one")

@@ -95,6 +95,17 @@ class StepBudget:
     def next_graph(self) -> GraphId:
         return current_graph_id(self._positions)
 
+    def peek_graph(self) -> GraphId:
+        """The id :meth:`next_graph` will return, without taking it."""
+        return current_graph_id(dict(self._positions))
+
+    def ledger_key(self, graph: GraphId) -> str:
+        """What ``graph``'s plan is made against: the other graphs of the step and their
+        shares. Part of the graph's cache key under a budget."""
+        others = sorted((key, share) for key, share in self._step(graph).items()
+                        if key != graph)
+        return repr(others)
+
     def _step(self, graph: GraphId) -> dict[GraphId, GraphShare]:
         """Shares of the step's graphs, ``graph`` included when recorded: a later compilation
         of a frame replaces its earlier graphs."""

@@ -1,0 +1,177 @@
+"""storm's compiles come from torch's caches in a later process, and never stale ones.
+
+The process tests run ``tests/cache_child.py`` twice on one fresh Inductor cache directory:
+the second process must hit AOTAutograd's cache and Inductor's FX graph cache for default
+options, a fraction budget and a streamed model under a byte budget, restore each graph's
+share of the budget as the first process planned it, and compute the same loss and gradients;
+a changed option must miss.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.exc import BackendCompilerFailed
+
+from storm_compile import plan_cache, storm
+from storm_compile.backend import (
+    StormCacheError,
+    _decompositions,
+    _default_backend,
+    storm_backend,
+)
+from storm_compile.config import CPU_PLANNING, StormOptionError
+from storm_compile.step_budget import GraphShare
+from helpers import CPU_TEST_OPTIONS, step
+from zoo import ZOO
+
+CHILD = Path(__file__).parent / "cache_child.py"
+CACHED = ("default", "fraction", "streamed")
+CHILD_TIMEOUT_S = 900
+"""The cold process compiles three variants of the tiny Llama with the C++ backend: about a
+minute and a half on two cores."""
+
+
+def _run(variants: tuple[str, ...], cache: Path) -> dict[str, dict]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, str(CHILD), *variants], env=env,
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                          cwd=CHILD.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {row["variant"]: row for row in rows}
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory) -> tuple[dict, dict]:
+    cache = tmp_path_factory.mktemp("inductor-cache")
+    return _run(CACHED, cache), _run((*CACHED, "changed"), cache)
+
+
+@pytest.mark.parametrize("variant", CACHED)
+def test_a_second_process_hits_both_caches(processes, variant):
+    cold, warm = processes
+    assert cold[variant].get("autograd_cache_hit", 0) == 0
+    assert warm[variant].get("autograd_cache_hit") == 1
+    assert warm[variant].get("autograd_cache_miss", 0) == 0
+    assert warm[variant].get("autograd_cache_bypass", 0) == 0
+    assert warm[variant].get("fxgraph_cache_bypass", 0) == 0
+
+
+@pytest.mark.parametrize("variant", CACHED)
+def test_a_hit_restores_the_plan_and_its_numbers(processes, variant):
+    cold, warm = processes
+    assert warm[variant]["shares"] == cold[variant]["shares"]
+    assert warm[variant]["loss"] == cold[variant]["loss"]
+    assert warm[variant]["grads"] == cold[variant]["grads"]
+
+
+def test_a_changed_option_misses(processes):
+    _, warm = processes
+    assert warm["changed"].get("autograd_cache_hit", 0) == 0
+    assert warm["changed"].get("autograd_cache_miss") == 1
+
+
+def _key(backend, ledger: str = "") -> str:
+    backend.partitioner.ledger = ledger
+    return backend.partitioner.key()
+
+
+def test_the_key_covers_options_profile_ledger_and_version(monkeypatch):
+    base = _key(storm(**CPU_TEST_OPTIONS))
+    assert base == _key(storm(**CPU_TEST_OPTIONS))
+    assert base != _key(storm(**{**CPU_TEST_OPTIONS, "min_offload_bytes": 1}))
+    assert base != _key(storm(**{**CPU_TEST_OPTIONS, "profile": "h100"}))
+    assert base != _key(storm(**CPU_TEST_OPTIONS), ledger="[((0, 0, 0), share)]")
+    monkeypatch.setattr("storm_compile.__version__", "0.0.0-other")
+    assert base != _key(storm(**CPU_TEST_OPTIONS))
+
+
+def test_no_key_with_an_observer():
+    backend = storm(**CPU_TEST_OPTIONS)
+    backend.partitioner.observer = print
+    assert backend.partitioner.uuid() is None
+
+
+def test_the_decomposition_table_pickles_stably():
+    table = _decompositions()
+    assert torch.ops.aten.embedding_dense_backward.default not in table
+    assert pickle.dumps(table) == pickle.dumps(_decompositions())
+    assert pickle.loads(pickle.dumps(table)) == table
+
+
+def test_a_plan_record_round_trips(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_cache, "record_dir", lambda: tmp_path)
+    record = plan_cache.PlanRecord(GraphShare(10, 1, 5, 0.5, 0.01, 2), ("storm: a warning",))
+    plan_cache.store("k", record)
+    assert plan_cache.load("k") == record
+    assert plan_cache.load("missing") is None
+    (tmp_path / "torn.json").write_text("{")
+    assert plan_cache.load("torn") is None
+
+
+def test_a_hit_without_its_record_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_cache, "record_dir", lambda: tmp_path)
+    with pytest.raises(StormCacheError, match="plan record .* is missing"):
+        storm(**CPU_TEST_OPTIONS)._replay("absent")
+
+
+def test_a_replayed_record_restores_share_and_warnings(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_cache, "record_dir", lambda: tmp_path)
+    share = GraphShare(10, 1, 5, 0.5, 0.01)
+    plan_cache.store("k", plan_cache.PlanRecord(share, ("storm: planned over budget",)))
+    backend = storm(**{**CPU_TEST_OPTIONS, "offload": "hidden", "memory_budget": 0.5})
+    with pytest.warns(RuntimeWarning, match="storm: planned over budget"):
+        backend._replay("k")
+    assert backend.ctx.step.share(backend.ctx.step.last) == share
+
+
+CONVENTION_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "memory_budget": 0.5}
+
+
+def test_options_work_as_storm_options():
+    eager_loss, eager_grads, _ = step("mlp", None)
+    storm_loss, storm_grads, _ = step("mlp", functools.partial(storm_backend,
+                                                                options=CONVENTION_OPTIONS))
+    variant = _default_backend().variant(None, dict(CONVENTION_OPTIONS))
+    assert variant.config == storm(**CONVENTION_OPTIONS).config
+    assert variant.ctx.step.last is not None
+    torch.testing.assert_close(storm_loss, eager_loss)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(storm_grads[name], grad)
+
+
+def test_options_are_validated_like_storm_options():
+    model, inputs, _ = ZOO["mlp"]()
+    with pytest.raises(BackendCompilerFailed) as caught:
+        torch.compile(model, backend="storm", options={"memory_budget": 2.5})(*inputs)
+    assert isinstance(caught.value.inner_exception, StormOptionError)
+    assert "memory_budget" in str(caught.value.inner_exception)
+
+
+def test_mode_is_inductors_and_checked():
+    assert storm().variant("max-autotune-no-cudagraphs", None).config.mode == \
+        "max-autotune-no-cudagraphs"
+    with pytest.raises(StormOptionError, match="mode"):
+        storm(mode="fastest")
+    with pytest.raises(StormOptionError, match="conflict"):
+        storm(inner="eager", mode="max-autotune")
+
+
+def test_cuda_graphs_refuse_storms_copies():
+    model, inputs, loss_fn = ZOO["mlp"]()
+    options = {**CPU_PLANNING, "min_offload_bytes": 0, "profile": "cpu-test", "offload": "all",
+               "recompute": False}
+    with pytest.raises(BackendCompilerFailed) as caught:
+        loss_fn(torch.compile(model, backend=storm(**options), mode="reduce-overhead")(*inputs)) \
+            .backward()
+    assert isinstance(caught.value.inner_exception, StormOptionError)
+    assert "CUDA graphs" in str(caught.value.inner_exception)

@@ -28,7 +28,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from torch._inductor.decomposition import select_decomp_table
 
 import storm_compile
-from storm_compile import passes, plan_cache
+from storm_compile import ops, passes, plan_cache
 from storm_compile.calibrate import profile_for
 from storm_compile.config import StormConfig, StormOptionError
 from storm_compile.cost_model import CostModel, MeasuredCosts
@@ -47,7 +47,11 @@ compilation: above 0 only when a frame made several graphs, which DDPOptimizer d
 break resumes in a new frame)."""
 
 KEPT_WHOLE = frozenset({torch.ops.aten.embedding_dense_backward.default})
-"""Ops storm leaves out of Inductor's decomposition table, so that they run as aten's kernels.
+"""Ops storm leaves out of Inductor's decomposition table, so that they run as aten's kernels,
+in a graph whose memory storm bounds (a ``memory_budget``, or weights streamed); elsewhere the
+table is Inductor's, and the graph's kernels are the ones ``torch.compile`` launches (aten's
+embedding backward sorts its indices: 20 more kernels in a 6-layer Llama's step on the H100,
++1 % of a launch-bound step).
 Inductor decomposes an embedding's backward into a scatter-add into a float32 zero table of
 the whole vocabulary, converted to the weight's dtype at the end, and its scheduler may
 allocate that table at the start of the backward: in the 8B Llama's streamed step on the H100
@@ -55,6 +59,10 @@ a 2 GiB float32 table (128256 × 4096) was live at the backward's first kernels,
 step 2.5 GiB over its predicted peak. Aten's kernel accumulates the touched rows in float32
 and allocates only the gradient, in its dtype, when it runs, which is where the simulator puts
 it."""
+
+STREAMED_READS = (ops.fetch_weight, ops.fetch_weight.overloadpacket)
+"""How a traced graph reads a streamed weight: dynamo records the parametrization's call of
+``torch.ops.storm.fetch_weight`` as the op's packet; AOTAutograd's graphs as its overload."""
 
 _SOURCE_FILES = tuple(sorted(str(p) for d in (Path(__file__).parent, Path(passes.__file__).parent)
                              for p in d.glob("*.py")))
@@ -232,7 +240,13 @@ class StormBackend:
         return compile_fx(gm, example_inputs, inner_compile=_compile_graph,
                           config_patches={"custom_partitioner_fn": self.partitioner,
                                           **torch._inductor.list_mode_options(self.config.mode)},
-                          decompositions=_decompositions())
+                          decompositions=_decompositions() if self._bounds_memory(gm)
+                          else None)
+
+    def _bounds_memory(self, gm: fx.GraphModule) -> bool:
+        """Whether storm bounds ``gm``'s device memory: a budget, or weights it streams."""
+        return self.config.memory_budget is not None or any(
+            node.target in STREAMED_READS for node in gm.graph.nodes)
 
     def _warn_split(self) -> None:
         """Once: a frame made several graphs, so DDPOptimizer split it by gradient bucket, and

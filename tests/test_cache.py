@@ -29,12 +29,16 @@ from storm_compile.backend import (
     storm_backend,
 )
 from storm_compile.config import CPU_PLANNING, StormOptionError
+from storm_compile.models import LLAMA_PRESETS, build_llama
 from storm_compile.step_budget import GraphShare
+from storm_compile.streaming import stream_parameters
 from helpers import CPU_TEST_OPTIONS, step
 from zoo import ZOO
 
 CHILD = Path(__file__).parent / "cache_child.py"
 CACHED = ("default", "fraction", "streamed")
+STREAMED_BYTES = 4096
+"""Streams the tiny Llama's matrices (8 KiB and up)."""
 CHILD_TIMEOUT_S = 900
 """The cold process compiles three variants of the tiny Llama with the C++ backend: about a
 minute and a half on two cores."""
@@ -175,3 +179,21 @@ def test_cuda_graphs_refuse_storms_copies():
             .backward()
     assert isinstance(caught.value.inner_exception, StormOptionError)
     assert "CUDA graphs" in str(caught.value.inner_exception)
+
+
+def _dynamo_graph(model, batch):
+    graphs = []
+    torch.compile(model, backend=lambda gm, inputs: graphs.append(gm) or gm)(*batch)
+    return graphs[0]
+
+
+def test_inductors_decompositions_unless_storm_bounds_memory():
+    """Without a budget or streamed weights the graph's kernels are torch.compile's; with
+    either, the embedding's backward is aten's kernel (KEPT_WHOLE)."""
+    plain = _dynamo_graph(*build_llama(LLAMA_PRESETS["tiny"]))
+    model, batch = build_llama(LLAMA_PRESETS["tiny"])
+    stream_parameters(model, "cpu", resident_bytes=STREAMED_BYTES)
+    streamed = _dynamo_graph(model, batch)
+    assert not storm(**CPU_PLANNING)._bounds_memory(plain)
+    assert storm(**CPU_PLANNING, memory_budget=0.5)._bounds_memory(plain)
+    assert storm(**CPU_PLANNING)._bounds_memory(streamed)

@@ -1,21 +1,31 @@
 """Cold and warm compile time of storm against Inductor, each in a fresh process.
 
-For the built-in gpt at each ``--layers`` count and each backend (``inductor``: plain
-``torch.compile``; ``storm``: storm's defaults), a child process times its first fw+bw step
-(wall clock: Dynamo, AOTAutograd, storm's passes, Inductor) with empty cache directories
-(``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` in a new temporary directory) = cold, then
-a second fresh child with the same directories = warm. Each child prints one JSON line: the
-first-step seconds, the median of the steps after it, and Inductor's FX graph cache and
-AOTAutograd cache counters, and the reasons the caches logged for a bypass. The parent counts
-the child's stderr lines that show a traceback or a failed pickle (a cache entry that could not
-be written) and its warning lines, and keeps each stderr in the output directory.
+For each model of ``--models`` and each backend (``inductor``: plain ``torch.compile``;
+``storm``: storm's defaults, or, for a streamed model, its byte budget), a child process times
+its first fw+bw step (wall clock: Dynamo, AOTAutograd, storm's passes, Inductor) with empty
+cache directories (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` in a new temporary
+directory) = cold, then a second fresh child with the same directories = warm. Each child
+prints one JSON line: the first-step seconds, the median of the steps after it, and Inductor's
+FX graph cache and AOTAutograd cache counters, and the reasons the caches logged for a bypass.
+The parent counts the child's stderr lines that show a traceback or a failed pickle (a cache
+entry that could not be written) and its warning lines, and keeps each stderr in the output
+directory.
 
-    python -m benchmarks.compile_time --out DIR                         # cuda: 8 and 32 layers
-    python -m benchmarks.compile_time --device cpu --layers 2 --out DIR # small gpt, fp32, CPU
+Models: ``gpt-L<n>``: the built-in gpt with n blocks; ``llama-<preset>``: a Llama preset
+(:data:`~storm_compile.models.LLAMA_PRESETS`) at :data:`LLAMA_TOKENS` tokens, its loss
+differentiated; ``llama-<preset>-streamed``: the same with its parameters streamed from host
+memory (:func:`~storm_compile.streaming.stream_parameters`), storm under the preset's byte
+budget (:data:`STREAMED_BUDGETS`). Inductor cannot stream: its row of a streamed model is the
+same model resident on the GPU, the compile storm's stands beside.
 
-cuda: d2048/T2048/B4, bf16. cpu: d256/T256/B2, fp32, storm with ``transfer_cpu_tensors`` and
-``min_offload_bytes=0`` (so its passes insert transfers at this size; the C++ Inductor backend
-compiles). Writes ``results.md`` (tabulate) and ``results.json``.
+    python -m benchmarks.compile_time --out DIR                         # cuda: gpt-L8, gpt-L32
+    python -m benchmarks.compile_time --models llama-3b-streamed,llama-8b-streamed --out DIR
+    python -m benchmarks.compile_time --device cpu --models gpt-L2 --out DIR  # small, fp32
+
+cuda: gpt d2048/T2048/B4, bf16. cpu: gpt d256/T256/B2 and the tiny Llama, fp32, storm with
+``transfer_cpu_tensors`` and ``min_offload_bytes=0`` (so its passes insert transfers at this
+size; the C++ Inductor backend compiles). Writes ``results.md`` (tabulate) and
+``results.json``.
 """
 
 from __future__ import annotations
@@ -42,13 +52,20 @@ from torch._dynamo.utils import counters
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _ratio
 from storm_compile import storm
-from storm_compile.models import GPTShape, build_gpt
+from storm_compile.models import LLAMA_PRESETS, GPTShape, build_gpt, build_llama
+from storm_compile.streaming import stream_parameters
 
 BACKENDS = ("inductor", "storm")
 CUDA_SHAPE = GPTShape(d_model=2048, heads=16, seq=2048, batch=4, dtype="bfloat16")
 """The benchmark stack of ``benchmarks.activation_memory`` (its first configuration)."""
 CPU_SHAPE = GPTShape(d_model=256, heads=4, seq=256, batch=2, dtype="float32")
 """Small enough that the C++ Inductor backend compiles it in under a minute on two cores."""
+LLAMA_TOKENS = 4096
+"""Tokens of a Llama preset's step on CUDA (one sequence): the streaming benchmark's first
+point."""
+STREAMED_BUDGETS = {"1b": "14GiB", "3b": "14GiB", "8b": "22GiB", "tiny": "1MiB"}
+"""storm's byte budget for a streamed preset: the streaming benchmark's (a 16 GiB cap for 3B,
+24 GiB for 8B, 2 GiB of each left to the allocator and the caching of blocks)."""
 STEADY_STEPS = 3
 """Steps after the first, whose median separates compile time from the step's own time."""
 CHILD_TIMEOUT_S = 1800
@@ -101,25 +118,40 @@ def _shape(device: str, layers: int | None = None) -> GPTShape:
     return shape if layers is None else dataclasses.replace(shape, layers=layers)
 
 
-def _backend(name: str, device: str):
-    if name == "inductor":
-        return "inductor"
-    return storm(**CPU_STORM_OPTIONS) if device == "cpu" else storm()
+def _build(model_name: str, device: str, streamed_on: bool):
+    """``(model, inputs, loss_of_output, storm options)`` of a ``--models`` name; with
+    ``streamed_on`` a streamed model's parameters go to host memory."""
+    kind, _, rest = model_name.partition("-")
+    cpu_options = CPU_STORM_OPTIONS if device == "cpu" else {}
+    if kind == "gpt":
+        model, inputs = build_gpt(_shape(device, int(rest.removeprefix("L"))), device)
+        return model, inputs, lambda out: out.float().pow(2).mean(), cpu_options
+    preset, _, streamed = rest.partition("-")
+    shape = LLAMA_PRESETS[preset]
+    if device == "cuda":
+        shape = dataclasses.replace(shape, seq=LLAMA_TOKENS, batch=1)
+    streamed = streamed == "streamed"
+    model, inputs = build_llama(shape, device)    # the GPU draws an 8B model's weights fast
+    options = dict(cpu_options)
+    if streamed and streamed_on:
+        stream_parameters(model, device)
+        options["memory_budget"] = STREAMED_BUDGETS[preset]
+    return model, inputs, lambda out: out, options
 
 
-def child(backend_name: str, layers: int, device: str) -> dict:
+def child(backend_name: str, model_name: str, device: str) -> dict:
     """Time the first compiled fw+bw step and the steady steps after it, in this process."""
     dev = _Device(device)
     torch.manual_seed(0)
-    model, (x,) = build_gpt(_shape(device, layers), device)
+    model, inputs, loss_of, options = _build(model_name, device, backend_name == "storm")
     setup_begin = time.perf_counter()
-    backend = _backend(backend_name, device)
+    backend = "inductor" if backend_name == "inductor" else storm(**options)
     setup_s = time.perf_counter() - setup_begin
     run = torch.compile(model, backend=backend)
 
     def step() -> float:
         begin = time.perf_counter()
-        run(x).float().pow(2).mean().backward()
+        loss_of(run(*inputs)).backward()
         dev.sync()
         return time.perf_counter() - begin
 
@@ -142,11 +174,11 @@ def error_line(error: BaseException) -> str:
     return f"{type(cause).__name__}: {first_line}"
 
 
-def _run_child(backend: str, layers: int, device: str, cache: Path, stderr_path: Path) -> dict:
+def _run_child(backend: str, model: str, device: str, cache: Path, stderr_path: Path) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton")}
     command = [sys.executable, "-m", "benchmarks.compile_time", "--child", "--backend", backend,
-               "--layers", str(layers), "--device", device]
+               "--models", model, "--device", device]
     begin = time.perf_counter()
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True,
@@ -166,13 +198,13 @@ def _run_child(backend: str, layers: int, device: str, cache: Path, stderr_path:
     return {**row, **json.loads(json_lines[-1])}
 
 
-def measure(backend: str, layers: int, device: str, out_dir: Path) -> dict:
-    """Cold then warm first-step times of one backend and size, in two fresh processes."""
-    row = {"model": f"gpt-L{layers}", "backend": backend}
+def measure(backend: str, model: str, device: str, out_dir: Path) -> dict:
+    """Cold then warm first-step times of one backend and model, in two fresh processes."""
+    row = {"model": model, "backend": backend}
     with tempfile.TemporaryDirectory(prefix="storm-compile-time-") as cache:
         for phase in ("cold", "warm"):
             stderr_path = out_dir / f"stderr_{row['model']}_{backend}_{phase}.txt"
-            row[phase] = _run_child(backend, layers, device, Path(cache), stderr_path)
+            row[phase] = _run_child(backend, model, device, Path(cache), stderr_path)
             print(f"[{row['model']}] {backend} {phase}: "
                   f"{row[phase].get('error') or '%.1f s' % row[phase]['first_step_s']}",
                   flush=True)
@@ -238,13 +270,23 @@ def write(out_dir: Path, results: dict, table: str) -> str:
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="8,32", help="comma-separated layer counts")
+    parser.add_argument("--models", default="gpt-L8,gpt-L32",
+                        help="comma-separated: gpt-L<layers>, llama-<preset>, "
+                             "llama-<preset>-streamed")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, default=Path("bench-out/compile-time"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.layers = [int(n) for n in args.layers.split(",")]
+    args.models = args.models.split(",")
+    for model in args.models:
+        kind, _, rest = model.partition("-")
+        preset = rest.removesuffix("-streamed")
+        if not (kind == "gpt" and rest.removeprefix("L").isdigit()
+                or kind == "llama" and preset in LLAMA_PRESETS):
+            parser.error(f"--models: cannot read {model!r}; expected gpt-L<layers>, "
+                         f"llama-<preset> or llama-<preset>-streamed, presets "
+                         f"{', '.join(LLAMA_PRESETS)}")
     return args
 
 
@@ -252,7 +294,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     if args.child:
         try:
-            result = child(args.backend, args.layers[0], args.device)
+            result = child(args.backend, args.models[0], args.device)
         except Exception as error:  # reported in the parent's row; the run goes on
             print(json.dumps({"error": error_line(error)}), flush=True)
             return 1
@@ -269,9 +311,9 @@ def main(argv=None) -> int:
                    "shape": {k: v for k, v in dataclasses.asdict(_shape(args.device)).items()
                              if k != "layers"}}
     rows = []
-    for layers in args.layers:
+    for model in args.models:
         for backend in BACKENDS:
-            rows.append(measure(backend, layers, args.device, args.out))
+            rows.append(measure(backend, model, args.device, args.out))
             table = write(args.out, {"environment": environment, "rows": rows}, markdown(rows))
     print(table)
     return 0

@@ -1,6 +1,7 @@
 """The benchmark harness: its CPU smoke mode, method discovery, and the trace overlap maths."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,7 +200,8 @@ def test_zoo_memory_failing_method_is_reported_and_run_continues(tmp_path, monke
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
-@pytest.mark.parametrize("module", ["zoo_memory", "training_loop", "compile_time"])
+@pytest.mark.parametrize("module", ["zoo_memory", "training_loop", "compile_time",
+                                    "step_overhead"])
 def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
     import importlib
 
@@ -207,6 +209,35 @@ def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
     assert main([]) == activation_memory.EXIT_NO_CUDA
     err = capsys.readouterr().err
     assert "no CUDA device" in err and len(err.strip().splitlines()) == 1
+
+
+def test_step_overhead_smoke_measures_both_backends_and_every_transfer_op(tmp_path):
+    """A row per model and backend, storm moving nothing at its defaults on the CPU, both
+    backends' host calls, and a row for every op ``storm_compile.ops`` defines."""
+    from benchmarks import step_overhead
+    from storm_compile import ops
+
+    assert step_overhead.main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    steps = results["steps"]
+    assert [(r["model"].split("-")[0], r["backend"]) for r in steps] == [
+        (model, backend) for model in ("llama", "t5") for backend in step_overhead.BACKENDS]
+    assert [r for r in steps if "error" in r] == []
+    assert all(r["median_ms"] > 0 and r["aten_ops"] > 0 and Path(r["trace"]).is_file()
+               for r in steps)
+    assert all(r["graph_transfers"] == 0 and r["storm_ops"] == 0 and r["saved_host_mib"] == 0
+               for r in steps if r["backend"] == "storm"), "storm's defaults move nothing on CPU"
+    assert all(r["saved_tensors"] > 0 for r in steps)
+    assert [r["saved_tensors"] for r in steps[1::2]] == [r["saved_tensors"] for r in steps[0::2]], \
+        "planning nothing, storm saves what Inductor saves"
+    calls = results["host_calls"]
+    assert [r["backend"] for r in calls] == list(step_overhead.BACKENDS)
+    assert all(r["forward_mean_us"] > 0 and r["backward_mean_us"] > 0 for r in calls)
+    defined = {op.name() for op in vars(ops).values() if isinstance(op, torch._ops.OpOverload)}
+    assert {r["op"] for r in results["ops"]} == defined | {"aten::add.Tensor"}
+    assert all(r["mean_us"] > 0 for r in results["ops"])
+    table = (tmp_path / "results.md").read_text()
+    assert "paired ×" in table and "| storm::offload " in table and "forward ×" in table
 
 
 def test_streaming_runs_only_the_listed_methods_for_throughput(tmp_path):

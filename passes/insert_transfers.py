@@ -91,6 +91,13 @@ from storm_compile.plan import Action, GradSend, WeightFetch
 from storm_compile.vocabulary import node_order, view_chain, view_closure
 
 
+PASS_THROUGH = frozenset({ops.record_event, ops.wait_event, ops.accumulate_grad})
+"""storm's ops whose fake implementation returns its first argument itself (events and the host
+thread's token only order work on the tensor they are given), so a call's value is that
+argument's: read from it instead of dispatched through the fake-tensor mode, which takes about
+a millisecond a call and would be two thirds of this pass's time (most nodes it adds are these)."""
+
+
 def _fake_call(target, args: Sequence[object], kwargs: dict[str, object]) -> torch.Tensor:
     fake_args, fake_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda a: a.meta["val"])
     fake_mode = next(a.fake_mode for a in tree_leaves(fake_args) if hasattr(a, "fake_mode"))
@@ -101,7 +108,8 @@ def _fake_call(target, args: Sequence[object], kwargs: dict[str, object]) -> tor
 def _emit(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
-    node.meta["val"] = _fake_call(target, args, kwargs)
+    node.meta["val"] = args[0].meta["val"] if target in PASS_THROUGH \
+        else _fake_call(target, args, kwargs)
     return node
 
 
@@ -147,12 +155,14 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
         first_use.prepend(view)
 
 
-def _fetch_ahead(graph: fx.Graph, fetch: WeightFetch) -> None:
+def _fetch_ahead(graph: fx.Graph, fetch: WeightFetch, order: dict[fx.Node, int]) -> None:
     """Replace a streamed weight's fetch by a prefetch issued after ``fetch.issue_after`` and
-    its wait right before ``fetch.first_read``; the fetch's views move after the wait."""
+    its wait right before ``fetch.first_read``; the fetch's views move after the wait, in their
+    ``order``: the graph's node positions before any rewrite, which the views of one fetch keep
+    among themselves while other copies are inserted and other values' views move."""
     node = fetch.node
     weight, device = node.args
-    views = view_closure(node, {n: i for i, n in enumerate(graph.nodes)})[0]
+    views = view_closure(node, order)[0]
     anchor = graph.find_nodes(op="placeholder")[-1] if fetch.issue_after is None \
         else fetch.issue_after
     with graph.inserting_after(anchor):
@@ -212,12 +222,12 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                                                        target=ops.fetch_weight))]}
     for fetch in sorted(fetches[graphs.forward], key=lambda f: forward_order[f.first_read],
                         reverse=True):
-        _fetch_ahead(graphs.forward.graph, fetch)
+        _fetch_ahead(graphs.forward.graph, fetch, forward_order)
     by_read = [(backward_order[f.first_read], f) for f in fetches[graphs.backward]] + \
         [(backward_order[s.first_read], (s, p)) for s, p in offloads]
     for _, item in sorted(by_read, key=lambda r: r[0], reverse=True):
         if isinstance(item, WeightFetch):
-            _fetch_ahead(graphs.backward.graph, item)
+            _fetch_ahead(graphs.backward.graph, item, backward_order)
             continue
         storage, placement = item
         members = {inputs[m]: m for m in storage.members}

@@ -19,6 +19,8 @@ Checks, on top of ``fx.Graph.lint``:
 
 from __future__ import annotations
 
+import collections
+
 from torch import fx
 
 from storm_compile import ops
@@ -67,6 +69,14 @@ def _check_prefetches(graph_name: str, graph: fx.Graph, allowed: set[fx.Node]) -
                                       f"instead of through its prefetch")
 
 
+def _by_storage(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """The graph's nodes by the node owning the storage each reads, in graph order."""
+    sharing: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
+    for node in graph.nodes:
+        sharing[storage_owner(node)].append(node)
+    return sharing
+
+
 def _check_forward(graphs: StormGraphs) -> None:
     graph = graphs.forward.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -76,12 +86,14 @@ def _check_forward(graphs: StormGraphs) -> None:
     for target in (ops.send_grad, ops.accumulate_grad, ops.wait_host):
         for node in graph.find_nodes(op="call_function", target=target):
             _fail("forward", node, f"{node.target} belongs in the backward")
-    for node in graph.find_nodes(op="call_function", target=ops.offload):
+    offloads = graph.find_nodes(op="call_function", target=ops.offload)
+    sharing = _by_storage(graph) if offloads else {}
+    for node in offloads:
         source = node.args[0]
         if source.op == "placeholder" or source in visible_roots:
             _fail("forward", node, f"offloads {source.name!r}, a graph input or visible output")
         wait = _check_chain("forward", node)
-        late = [u for n in graph.nodes if storage_owner(n) is source for u in n.users
+        late = [u for n in sharing[source] for u in n.users
                 if u is not wait and order[u] > order[wait]]
         if late:
             _fail("forward", source, f"read by {[u.name for u in late]} after its offload "

@@ -10,6 +10,7 @@ direction's bandwidth; when both directions run at once they share ``duplex_band
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -84,6 +85,13 @@ def is_fusible(node: fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
+    return _fusible_op(target)
+
+
+@functools.cache
+def _fusible_op(target: torch._ops.OpOverload) -> bool:
+    """:func:`is_fusible` of a call of ``target``: asked for every node by each cost query and
+    simulation, and fixed per op (its tags never change), so answered once per op."""
     return (torch.Tag.pointwise in target.tags or target in FUSIBLE_REDUCTIONS
             or target in FUSIBLE_CASTS or target in FUSIBLE_DECOMPOSED)
 

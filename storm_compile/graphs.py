@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from storm_compile.config import StormConfig
 from storm_compile.cost_model import CostModel
-from storm_compile.plan import MemoryPlan, StoragePlan
+from storm_compile.plan import Decision, MemoryPlan, StoragePlan, Unplaced
 from storm_compile.step_budget import NO_FRAME, GraphId, StepBudget
 from storm_compile.vocabulary import RECOMPUTE_TAG, view_closure
 
@@ -36,18 +37,35 @@ class JointGraph:
 
         The partitioner's split is a function of the joint graph and its tags, and a large
         graph's takes seconds, so it runs once per set of tags; each call returns copies the
-        passes may rewrite (their nodes' ``meta`` dicts copied, the values in them shared)."""
-        tags = frozenset((n.name, n.meta[RECOMPUTE_TAG]) for n in self.module.graph.nodes
-                         if RECOMPUTE_TAG in n.meta)
+        passes may rewrite (their nodes' ``meta`` dicts copied, the values in them shared).
+        The copies generate their Python code on first use (:func:`_copy_module`).
+
+        The partitioner first removes dead code and common subexpressions from the joint graph
+        in place (a tagged node may go with them) and settles some tags on it (values it must
+        save), then splits what is left: its split is also the one for the graph and tags it
+        leaves behind, which every later call sees, so it is stored under those tags too."""
+        tags = self._tags()
         if tags not in self._splits:
-            self._splits[tags] = min_cut_rematerialization_partition(
-                self.module, self.inputs, **self.partition_kwargs)
+            with _use_lazy_graph_module(True):    # the split is only ever copied, never run
+                split = min_cut_rematerialization_partition(self.module, self.inputs,
+                                                            **self.partition_kwargs)
+            self._splits[tags] = split
+            self._splits.setdefault(self._tags(), split)
         forward, backward = self._splits[tags]
         return _copy_module(forward), _copy_module(backward)
 
+    def _tags(self) -> frozenset:
+        """The recompute tags on the joint graph's nodes, by node name."""
+        return frozenset((n.name, n.meta[RECOMPUTE_TAG]) for n in self.module.graph.nodes
+                         if RECOMPUTE_TAG in n.meta)
+
 
 def _copy_module(module: fx.GraphModule) -> fx.GraphModule:
-    copied = fx.GraphModule(module, copy.deepcopy(module.graph), module.__class__.__name__)
+    """A copy of ``module`` with its own graph, as a lazy graph module: its Python code is
+    generated when it is first called or its ``code`` read (``recompile`` only marks it stale),
+    so a split a re-plan discards, or rewrites and discards, never pays for code generation,
+    which takes about as long as copying a large graph."""
+    copied = _LazyGraphModule(module, copy.deepcopy(module.graph), module.__class__.__name__)
     copied.meta.update(module.meta)
     return copied
 
@@ -82,6 +100,44 @@ class StormGraphs:
     """What the memory planner aimed at; set by ``plan_memory`` on the first split."""
     records: tuple[PassRecord, ...] = ()
     """One record per pass run on these graphs (and on the split they replaced), in order."""
+
+
+def copy_decided(graphs: StormGraphs) -> StormGraphs:
+    """A copy of a pair whose storages are decided but not yet placed, which passes may rewrite
+    leaving ``graphs`` as it was: both modules copied (:func:`_copy_module`, which keeps every
+    node's name, ``meta`` entries and order) and the storage plan's nodes those of the copies.
+
+    Assumes: ``plan_offload`` ran on ``graphs`` and ``place_transfers`` has not (no
+    placement, fetch or send, which would name nodes of their own; resident weights are named
+    by their inputs' names); raises ``ValueError`` otherwise. ``graphs.plan`` is shared: its
+    nodes are the first split's, which no pass rewrites."""
+    plan = graphs.storages
+    if plan is None or plan.fetches or plan.sends or any(
+            d.placement is not None for d in plan.decisions.values()):
+        raise ValueError("copy_decided: copy graphs whose storages are decided and not yet "
+                         "placed")
+    forward, backward = _copy_module(graphs.forward), _copy_module(graphs.backward)
+    fw = {n.name: n for n in forward.graph.nodes}
+    bw = {n.name: n for n in backward.graph.nodes}
+    storages = tuple(dataclasses.replace(
+        s, root=fw[s.root.name], members=tuple(fw[m.name] for m in s.members),
+        first_read=None if s.first_read is None else bw[s.first_read.name])
+        for s in plan.storages)
+    decisions = {fw[root.name]: _decision_on(decision, bw)
+                 for root, decision in plan.decisions.items()}
+    return dataclasses.replace(graphs, forward=forward, backward=backward,
+                               storages=dataclasses.replace(plan, storages=storages,
+                                                            decisions=decisions))
+
+
+def _decision_on(decision: Decision, backward: dict[str, fx.Node]) -> Decision:
+    """``decision`` naming the backward node in ``backward`` of the same name as the read its
+    copy would be late for (the only node an unplaced decision names)."""
+    held = decision.held
+    if not isinstance(held, Unplaced) or held.read is None:
+        return decision
+    return dataclasses.replace(decision, held=dataclasses.replace(held,
+                                                                  read=backward[held.read.name]))
 
 
 @dataclasses.dataclass(frozen=True)

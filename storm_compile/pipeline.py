@@ -17,7 +17,13 @@ from collections.abc import Callable
 from torch import fx
 
 from storm_compile.config import StormConfig
-from storm_compile.graphs import JointGraph, PassContext, PassRecord, StormGraphs
+from storm_compile.graphs import (
+    JointGraph,
+    PassContext,
+    PassRecord,
+    StormGraphs,
+    copy_decided,
+)
 from storm_compile.passes import (
     annotate_costs,
     insert_transfers,
@@ -30,7 +36,7 @@ from storm_compile.passes import (
 )
 from storm_compile.passes.rematerialize import RecomputeRejectedError
 from storm_compile.passes.verify import StormVerificationError
-from storm_compile.plan import Action
+from storm_compile.plan import Action, ResidentWeight
 from storm_compile.prediction import NodeTiming, Prediction
 from storm_compile.ranks import check_ranks_agree
 from storm_compile.simulate import device_bytes, host_inputs, simulate
@@ -95,6 +101,14 @@ def _run(storm_pass: Pass, graphs: StormGraphs, ctx: PassContext) -> StormGraphs
 def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     """Plan, realise recomputation, plan the new split's offloads, choose the resident weights,
     place and insert transfers."""
+    return plan_transfers(plan_storages(graphs, ctx), ctx)
+
+
+def plan_storages(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Plan, realise recomputation, plan the new split's offloads: every saved storage decided
+    and recorded in the step's ledger, the graphs not rewritten. What it decides depends on
+    the graphs, ``ctx.config``, ``ctx.cost`` and the ledger's other graphs, never on
+    ``ctx.resident_room``."""
     first_split = graphs.plan is None
     for storm_pass in PLAN:
         graphs = _run(storm_pass, graphs, ctx)
@@ -104,13 +118,25 @@ def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         except RecomputeRejectedError as error:
             warnings.warn(f"storm: the partitioner could not recompute what storm planned "
                           f"({error}); this graph uses storm's best plan without "
-                          f"recomputation instead", RuntimeWarning, stacklevel=2)
+                          f"recomputation instead", RuntimeWarning, stacklevel=3)
             ctx = dataclasses.replace(
                 ctx, config=dataclasses.replace(ctx.config, recompute=False))
             graphs = dataclasses.replace(graphs, plan=None)
         for storm_pass in PLAN:                      # offloads of the new split, same target
             graphs = _run(storm_pass, graphs, ctx)
+    return graphs
+
+
+def plan_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Choose the resident weights, place and insert transfers, on graphs whose storages
+    :func:`plan_storages` decided; the graphs are rewritten in place."""
     graphs = _run(plan_weights, graphs, ctx)         # streamed weights kept on the device
+    return place_and_insert(graphs, ctx)
+
+
+def place_and_insert(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Place and insert transfers, on graphs whose storages :func:`plan_storages` decided and
+    whose resident weights ``plan_weights`` chose; the graphs are rewritten in place."""
     graphs = _run(place_transfers, graphs, ctx)      # where each copy and wait goes
     graphs = _run(insert_transfers, graphs, ctx)     # rewrite both graphs from the decisions
     if not graphs.storages.with_action(Action.OFFLOAD) and not graphs.plan.recompute:
@@ -154,13 +180,38 @@ def _retag(joint: JointGraph, tags: dict[str, object]) -> None:
             node.meta.pop(RECOMPUTE_TAG, None)
 
 
-def _replan(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext) -> StormGraphs:
-    """:func:`run_passes` on a fresh split of ``graphs``' joint graph, with its capture's
+@dataclasses.dataclass(frozen=True)
+class _Decided:
+    """A plan's storage decisions (:func:`plan_storages`) on graphs no pass has rewritten, and
+    the ledger share that planning recorded: plans that differ only in
+    ``PassContext.resident_room`` decide the same, so each is placed and rewritten from a copy
+    of one (:func:`_transfers`) instead of being planned again from a fresh split."""
+
+    graphs: StormGraphs
+    share: GraphShare
+
+
+def _decide(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext) -> _Decided:
+    """:func:`plan_storages` on a fresh split of ``graphs``' joint graph, with its capture's
     recompute ``tags``."""
     _retag(graphs.joint, tags)
     forward, backward = graphs.joint.split()
-    return run_passes(StormGraphs(forward, backward, graphs.num_fwd_outputs, joint=graphs.joint,
-                                  records=graphs.records), ctx)
+    decided = plan_storages(StormGraphs(forward, backward, graphs.num_fwd_outputs,
+                                        joint=graphs.joint, records=graphs.records), ctx)
+    return _Decided(decided, ctx.step.share(ctx.graph))
+
+
+def _weighed(decided: _Decided, ctx: PassContext) -> StormGraphs:
+    """``plan_weights`` on ``decided``'s graphs (which it does not rewrite), with the step's
+    ledger holding the share their planning recorded, as :func:`plan_storages` leaves it."""
+    ctx.step.record(ctx.graph, decided.share)
+    return _run(plan_weights, decided.graphs, ctx)
+
+
+def _transfers(decided: _Decided, ctx: PassContext) -> StormGraphs:
+    """:func:`plan_transfers` from ``decided``, on a copy of its graphs: the plan
+    :func:`run_passes` makes from the same split with ``ctx``, ``decided`` left unchanged."""
+    return place_and_insert(copy_decided(_weighed(decided, ctx)), ctx)
 
 
 def _peak(graphs: StormGraphs, ctx: PassContext) -> tuple[int, Prediction]:
@@ -188,9 +239,11 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     tags, asked = _recompute_tags(graphs.joint), ctx.config
     budget = asked.memory_budget
     weights = device_weights(graphs.forward, asked.prefetch_window_bytes)
-    planned = run_passes(graphs, ctx)
-    if not isinstance(budget, int) or weights is None or planned.plan.target_bytes is None:
-        return planned
+    decided = plan_storages(graphs, ctx)
+    if not isinstance(budget, int) or weights is None or decided.plan.target_bytes is None:
+        return plan_transfers(decided, ctx)
+    first = _Decided(decided, ctx.step.share(ctx.graph))
+    planned = _transfers(first, ctx)
     peak, prediction = _peak(planned, ctx)
     if peak > budget:
         fits, least = [], _peak_node(peak, prediction)
@@ -203,11 +256,11 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         if not fits:
             raise _over_budget(budget, least, asked)
         fastest = min(fits, key=lambda fit: fit.prediction.step_s)
-        planned, prediction, ctx, peak = (fastest.graphs, fastest.prediction, fastest.ctx,
-                                          fastest.peak)
+        planned, prediction, ctx, peak, first = (fastest.graphs, fastest.prediction,
+                                                 fastest.ctx, fastest.peak, fastest.decided)
         ctx.step.record(ctx.graph, fastest.share)
     best = (prediction.step_s, planned, ctx.step.share(ctx.graph))
-    kept = _with_residents(graphs, tags, ctx, budget, planned, budget - peak)
+    kept = _with_residents(first, ctx, budget, planned, budget - peak)
     if kept is not None:
         best = min(best, kept, key=lambda plan: plan[0])
     streamed = sum(tensor_bytes(w.meta.get("val")) for w in host_inputs(planned))
@@ -233,6 +286,8 @@ class _Fit:
     ctx: PassContext
     peak: int
     share: GraphShare
+    decided: _Decided
+    """Its storage decisions, before the graphs were rewritten."""
 
 
 def _peak_node(peak: int, prediction: Prediction) -> tuple[int, NodeTiming]:
@@ -266,12 +321,13 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
         ctx = dataclasses.replace(ctx, config=dataclasses.replace(
             ctx.config, memory_budget=lowered, prefetch_window_bytes=window))
         try:
-            planned = _replan(graphs, tags, ctx)
+            decided = _decide(graphs, tags, ctx)
         except StormBudgetError:
             return least
+        planned = _transfers(decided, ctx)
         peak, prediction = _peak(planned, ctx)
         if peak <= budget:
-            return _Fit(planned, prediction, ctx, peak, ctx.step.share(ctx.graph))
+            return _Fit(planned, prediction, ctx, peak, ctx.step.share(ctx.graph), decided)
         least = min(least, _peak_node(peak, prediction), key=lambda seen: seen[0])
     return least
 
@@ -282,31 +338,39 @@ def _traded(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext, budg
     leaves for weights kept on the device (:func:`_with_residents`); None when the step's
     ledger refuses the lower target, its peak does not fit ``budget`` or no weight is kept."""
     try:
-        traded = _replan(graphs, tags, ctx)
+        decided = _decide(graphs, tags, ctx)
     except StormBudgetError:
         return None
+    traded = _transfers(decided, ctx)
     peak, _ = _peak(traded, ctx)
     if peak > budget:
         return None
-    return _with_residents(graphs, tags, ctx, budget, traded, budget - peak)
+    return _with_residents(decided, ctx, budget, traded, budget - peak)
 
 
-def _with_residents(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
-                    budget: int, fitting: StormGraphs, room: int
-                    ) -> tuple[float, StormGraphs, GraphShare] | None:
+def _with_residents(decided: _Decided, ctx: PassContext, budget: int, fitting: StormGraphs,
+                    room: int) -> tuple[float, StormGraphs, GraphShare] | None:
     """The graph planned again with ``room`` for weights kept on the device
-    (``PassContext.resident_room``) above ``fitting``, a plan whose peak fits the budget: the
-    first of :data:`RESIDENT_ROUNDS` tries whose peak fits ``budget`` too, with its predicted
-    step and ledger share; None when no weight fits or no try does."""
+    (``PassContext.resident_room``) above ``fitting``, a plan whose peak fits the budget, made
+    with ``ctx`` from ``decided``: the first of :data:`RESIDENT_ROUNDS` tries whose peak fits
+    ``budget`` too, with its predicted step and ledger share; None when no weight fits or no
+    try does. Each try decides what ``fitting`` decided, so it starts from ``decided``; a try
+    that keeps the same weights as an earlier one is that plan again, whose peak is known."""
     smallest = min(tensor_bytes(w.meta.get("val")) for w in host_inputs(fitting))
+    peaks: dict[tuple[ResidentWeight, ...], int] = {}
     for round_ in range(RESIDENT_ROUNDS if room >= smallest else 0):
-        kept = _replan(graphs, tags, dataclasses.replace(ctx, resident_room=room))
-        if not kept.storages.resident:
+        with_room = dataclasses.replace(ctx, resident_room=room)
+        weighed = _weighed(decided, with_room)
+        resident = weighed.storages.resident
+        if not resident:
             return None
-        peak, prediction = _peak(kept, ctx)
-        if peak <= budget:
-            return prediction.step_s, kept, ctx.step.share(ctx.graph)
-        room -= (peak - budget) * 2**round_
+        if resident not in peaks:
+            kept = place_and_insert(copy_decided(weighed), with_room)
+            peak, prediction = _peak(kept, ctx)
+            if peak <= budget:
+                return prediction.step_s, kept, ctx.step.share(ctx.graph)
+            peaks[resident] = peak
+        room -= (peaks[resident] - budget) * 2**round_
     return None
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from torch import fx
@@ -171,16 +172,47 @@ def _d2h(line: _Timeline, copies: Sequence[_Outgoing], required: set[fx.Node],
     return placed
 
 
-def _in_flight(intervals: list[tuple[int, int, int]], at: int) -> int:
-    return sum(nbytes for issue, use, nbytes in intervals if issue <= at < use)
+class _InFlight:
+    """Bytes prefetched but not yet read on the H2D lane, over the copies placed so far
+    (``intervals``: issue index, first-read index, bytes; a copy is in flight from its issue up
+    to, not including, its read, so one issued at or after its read never is), and their peak
+    from an index up to a read at index ``use``. Built once per copy to place (the placed copies
+    do not change while it looks for its issue point): each query is then a bisection instead of
+    a pass over every placed copy."""
+
+    def __init__(self, intervals: Sequence[tuple[int, int, int]], use: int) -> None:
+        live = [(issue, read, nbytes) for issue, read, nbytes in intervals if issue < read]
+        self._issues, self._issued = _running_sum([(i, n) for i, _, n in live])
+        self._reads, self._read = _running_sum([(r, n) for _, r, n in live])
+        self._points = sorted({i for i, _, _ in live if i < use})
+        peaks = [self.at(point) for point in self._points]
+        self._peak_from = list(itertools.accumulate(reversed(peaks), max))[::-1]
+
+    def at(self, index: int) -> int:
+        """Bytes in flight at node ``index``: issued at or before it, read after it."""
+        issued = bisect.bisect_right(self._issues, index)
+        read = bisect.bisect_right(self._reads, index)
+        return (self._issued[issued - 1] if issued else 0) - (self._read[read - 1] if read else 0)
+
+    def peak(self, issue: int) -> int:
+        """The most bytes in flight at ``issue`` or at any later issue before the read: they
+        rise only where a copy is issued."""
+        later = bisect.bisect_left(self._points, issue)
+        return max(self.at(issue), self._peak_from[later] if later < len(self._points) else 0)
 
 
-def _fits(intervals: list[tuple[int, int, int]], issue: int, use: int, nbytes: int,
-          window: int) -> bool:
-    """Whether a prefetch issued at index ``issue`` and read at ``use`` keeps prefetched-but-unread
-    bytes within the window: checked where they can rise, at its issue and at later issues."""
-    checks = [issue] + [i for i, _, _ in intervals if issue <= i < use]
-    return all(_in_flight(intervals, q) + nbytes <= window for q in checks)
+def _running_sum(points: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """``points`` (index, bytes) sorted by index, as their indices and the bytes summed up to
+    and including each."""
+    points.sort()
+    return [index for index, _ in points], list(itertools.accumulate(n for _, n in points))
+
+
+def _fits(flight: _InFlight, issue: int, nbytes: int, window: int) -> bool:
+    """Whether a prefetch issued at index ``issue`` keeps prefetched-but-unread bytes within the
+    window until its read (``flight``'s): checked where they can rise, at its issue and at
+    later issues."""
+    return flight.peak(issue) + nbytes <= window
 
 
 def _h2d(gm: fx.GraphModule, line: _Timeline, requests: Sequence[_Request],
@@ -205,7 +237,8 @@ def _h2d(gm: fx.GraphModule, line: _Timeline, requests: Sequence[_Request],
         point = line.compute[position] if position >= 0 else None
         issue = inputs_end if point is None else line.order[point]
         late = max(0.0, -copy_start - PREFETCH_SLACK_FRACTION * copy)
-        fits = _fits(intervals, issue, line.order[use], nbytes, window)
+        flight = _InFlight(intervals, line.order[use])
+        fits = _fits(flight, issue, nbytes, window)
         if root not in required and (late > 0 or not fits):
             placed[root] = Unplaced(Lane.H2D, use, late, None if late > 0 else window)
             continue
@@ -215,7 +248,7 @@ def _h2d(gm: fx.GraphModule, line: _Timeline, requests: Sequence[_Request],
             point = line.compute[position]
             issue = line.order[point]
             copy_start = line.end[point]
-            fits = _fits(intervals, issue, line.order[use], nbytes, window)
+            fits = _fits(flight, issue, nbytes, window)
         lane_start = max(copy_start, 0.0)
         placed[root] = _Prefetch(point, line.start[use] - (lane_start + copy))
         intervals.append((issue, line.order[use], nbytes))

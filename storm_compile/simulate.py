@@ -132,10 +132,12 @@ class _Memory:
     def __init__(self, graph: fx.Graph, host_inputs: set[fx.Node]):
         self.host_inputs = host_inputs
         order = {n: i for i, n in enumerate(graph.nodes)}
+        self.owners = {node: self.owner(node) for node in graph.nodes}
+        """:meth:`owner` of every node of the graph."""
         self.last_use: dict[fx.Node, int] = {}
         self.escapes: set[fx.Node] = set()
         for node in graph.nodes:
-            owner = self.owner(node)
+            owner = self.owners[node]
             if owner is None:
                 continue
             self.last_use.setdefault(owner, order[owner])
@@ -227,7 +229,7 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _Ho
             t += cost.compute_seconds(node)
         else:
             lane = Lane.NONE
-        if node.op == "call_function" and memory.owner(node) is node \
+        if node.op == "call_function" and memory.owners[node] is node \
                 and isinstance(node.meta.get("val"), torch.Tensor) and materialized(node):
             allocated[node] = _storage_bytes(node)
             live += allocated[node]

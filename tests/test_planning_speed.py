@@ -1,0 +1,169 @@
+"""Planning does each piece of work once: the partitioner once per set of recompute tags, the
+storage decisions once per plan that differs in more than the room for resident weights, and
+the placement's and rewrite's shortcuts give what the long way gives. Counts, never timings."""
+
+import importlib
+import random
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torch.utils.checkpoint import CheckpointPolicy
+
+from helpers import CPU_TEST_OPTIONS, capture, cost_model
+from storm_compile import graphs as graphs_module
+from storm_compile import ops, pipeline
+from storm_compile.backend import StormBackend
+from storm_compile.config import StormConfig
+from storm_compile.models import LLAMA_PRESETS, build_llama
+from storm_compile.placement import _InFlight
+from storm_compile.plan import Unplaced
+from storm_compile.simulate import device_bytes, simulate
+from storm_compile.streaming import stream_parameters
+from storm_compile.vocabulary import RECOMPUTE_TAG
+
+INSERT_TRANSFERS = importlib.import_module("storm_compile.passes.insert_transfers")
+"""The pass's module (the package exports the pass function under the same name)."""
+
+RESIDENT_BYTES = 4096
+"""Above the tiny Llama's norm weights and below its smallest matrix: the matrices stream."""
+ROOM_BYTES = 1 << 16
+"""Room above the plan without resident weights for a few of the tiny Llama's weights: a
+resident try follows the plan without them, and another the plan that trades activations for
+weights kept."""
+FEW_ROOM_BYTES = 1 << 14
+"""Room for fewer weights: with recomputation, the plans that fit the budget recompute two
+different sets of storages."""
+
+
+def _streamed_graphs(**options):
+    """The graphs storm made of the streamed tiny Llama under the CPU test options updated
+    with ``options``."""
+    torch.manual_seed(0)
+    model, batch = build_llama(LLAMA_PRESETS["tiny"])
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    captured = []
+    config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, **options})
+    torch.compile(model, backend=StormBackend(config, observer=captured.append))(*batch) \
+        .backward()
+    return captured[0]
+
+
+def _budget(room: int) -> str:
+    """A byte budget ``room`` bytes above the predicted device peak of the streamed tiny
+    Llama's plan with every activation kept and no resident weight."""
+    graphs = _streamed_graphs(offload="hidden", memory_budget=1.0)
+    return f"{device_bytes(graphs, simulate(graphs, cost_model())) + room}B"
+
+
+def _counting(monkeypatch, module, name: str, seen: list, record=lambda result: result):
+    """Replace ``module.name`` by a wrapper appending ``record`` of each call's result."""
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        result = original(*args, **kwargs)
+        seen.append(record(result))
+        return result
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def test_a_budget_partitions_once_per_set_of_recompute_tags(monkeypatch):
+    """Re-plans under a byte budget split the joint graph again with the capture's tags and
+    with each plan's recomputation: the partitioner runs for the capture's tags once (even
+    after its first run pruned the joint graph) and once for each distinct recomputed set."""
+    budget = _budget(FEW_ROOM_BYTES)
+    partitions, recomputed = [], []
+    _counting(monkeypatch, graphs_module, "min_cut_rematerialization_partition", partitions,
+              lambda split: 1)
+    _counting(monkeypatch, pipeline, "plan_storages", recomputed,
+              lambda graphs: frozenset(graphs.plan.recompute))
+    _streamed_graphs(offload="hidden", memory_budget=budget, recompute=True)
+    distinct = {names for names in recomputed if names}
+    assert len(recomputed) > 1 and distinct, "the budget makes re-plans that recompute"
+    assert len(partitions) == 1 + len(distinct)
+
+
+def test_a_split_is_reused_after_the_partitioner_pruned_a_tagged_node(monkeypatch):
+    """The partitioner removes dead code from the joint graph before splitting it: a later
+    split, which no longer sees the dead node's tag, is the same split and is not made again."""
+    captured = capture("gpt").joint
+    joint = graphs_module.JointGraph(captured.module, captured.inputs,
+                                     captured.partition_kwargs)
+    source = next(iter(joint.module.graph.find_nodes(op="placeholder")))
+    with joint.module.graph.inserting_after(source):
+        dead = joint.module.graph.call_function(torch.ops.aten.neg.default, (source,))
+    dead.meta[RECOMPUTE_TAG] = CheckpointPolicy.MUST_RECOMPUTE
+    partitions = []
+    _counting(monkeypatch, graphs_module, "min_cut_rematerialization_partition", partitions)
+    first, again = joint.split(), joint.split()
+    assert dead not in joint.module.graph.nodes, "the partitioner pruned it"
+    assert len(partitions) == 1
+    assert first[1].code == again[1].code
+
+
+def test_plans_differing_only_in_resident_room_are_decided_once(monkeypatch):
+    """Each try at keeping weights on the device rewrites a copy of the decisions of the plan
+    it starts from; no try decides the storages again, and the decided graphs stay as they
+    were decided (the copies are what is rewritten)."""
+    budget = _budget(ROOM_BYTES)
+    decided, copied = [], []
+    _counting(monkeypatch, pipeline, "plan_storages", decided)
+    original = pipeline.copy_decided
+
+    def copy_decided(graphs):
+        copied.append(graphs.forward)
+        return original(graphs)
+
+    monkeypatch.setattr(pipeline, "copy_decided", copy_decided)
+    graphs = _streamed_graphs(offload="hidden", memory_budget=budget)
+    assert graphs.storages.resident, "the room keeps weights on the device"
+    assert {id(gm) for gm in copied} == {id(d.forward) for d in decided}
+    assert len(copied) > len(decided), "a resident try reuses a plan's decisions"
+    for plan in decided:
+        assert not any(n.target in ops.TRANSFER_OPS for gm in (plan.forward, plan.backward)
+                       for n in gm.graph.nodes), "a decided plan is never rewritten"
+
+
+def test_a_copy_of_decided_graphs_names_its_own_nodes(monkeypatch):
+    copies = []
+    _counting(monkeypatch, pipeline, "copy_decided", copies)
+    _streamed_graphs(offload="hidden", memory_budget=_budget(ROOM_BYTES))
+    assert copies
+    for graphs in copies:
+        forward = set(graphs.forward.graph.nodes)
+        backward = set(graphs.backward.graph.nodes)
+        for storage, decision in graphs.storages:
+            assert storage.root in forward and set(storage.members) <= forward
+            assert storage.first_read is None or storage.first_read in backward
+            if isinstance(decision.held, Unplaced) and decision.held.read is not None:
+                assert decision.held.read in backward
+
+
+def _in_flight(intervals, at: int) -> int:
+    return sum(nbytes for issue, read, nbytes in intervals if issue <= at < read)
+
+
+def test_in_flight_peak_is_the_most_bytes_at_any_issue_before_the_read():
+    """The placement's window check: the peak from an issue up to a read equals the largest
+    sum, over the placed copies, at the issue and at every later issue before the read."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        intervals = [(rng.randrange(30), rng.randrange(30), rng.randrange(1, 10))
+                     for _ in range(rng.randrange(12))]
+        issue, use = rng.randrange(31), rng.randrange(31)
+        checks = [issue] + [i for i, _, _ in intervals if issue <= i < use]
+        expected = max(_in_flight(intervals, q) for q in checks)
+        assert _InFlight(intervals, use).peak(issue) == expected, (intervals, issue, use)
+
+
+@pytest.mark.parametrize("target", sorted(INSERT_TRANSFERS.PASS_THROUGH, key=str))
+def test_pass_through_ops_return_their_first_argument_under_fake_tensors(target):
+    """insert_transfers reads these ops' values from their first argument: dispatched through
+    a fake-tensor mode, they return that very tensor."""
+    with FakeTensorMode():
+        x = torch.empty(4, 8)
+        args = {ops.record_event: (x,), ops.wait_event: (x, x),
+                ops.accumulate_grad: (x, x)}[target]
+        assert target(*args) is x

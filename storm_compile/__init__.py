@@ -20,10 +20,14 @@ if importlib.util.find_spec(f"{__name__}.passes") is None and _SOURCE_PASSES.is_
 
 __version__ = "0.1.0"
 
-__all__ = ["storm", "StormBackend", "StormConfig", "__version__"]
+__all__ = ["storm", "StormBackend", "StormConfig", "stream_parameters", "overlap_optimizer",
+           "StormAutogradError", "StormOverlapError", "__version__"]
 
 _LAZY = {"storm": "storm_compile.backend", "StormBackend": "storm_compile.backend",
-         "StormConfig": "storm_compile.config"}
+         "StormConfig": "storm_compile.config", "stream_parameters": "storm_compile.streaming",
+         "overlap_optimizer": "storm_compile.streaming",
+         "StormAutogradError": "storm_compile.runtime",
+         "StormOverlapError": "storm_compile.cycles"}
 """The module that defines each public name but the version. Those modules import torch, so a
 name is imported on its first use (:func:`__getattr__`), and importing the package does not load
 torch: ``storm --help`` and ``storm --version`` print at once."""

@@ -25,11 +25,23 @@ from torch.optim.optimizer import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
+from storm_compile.cycles import (
+    Cycles,
+    StormOverlapError,
+    step_parameter,
+    streamed_parameters,
+)
+
 log = logging.getLogger("storm_compile")
 
 
 def _storage_use_count(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+class StormAutogradError(RuntimeError):
+    """An autograd entry point that cannot serve a streamed parameter, whose gradient reaches
+    its ``.grad`` on storm's host thread rather than through the autograd engine."""
 
 
 def _current_backward() -> int | None:
@@ -39,6 +51,10 @@ def _current_backward() -> int | None:
     task = -1 if current is None else current()
     return None if task == -1 else task
 
+
+_TENSOR_GRAD = torch.Tensor.grad
+"""``.grad`` as the tensor holds it: the host thread adds into it without the wait that a
+streamed parameter's own ``.grad`` does (:class:`storm_compile.streaming.HostParameter`)."""
 
 BUCKETS_PER_DOUBLING = 8
 """Pinned buffers come in sizes rounded up to one of this many steps per power of two, so
@@ -187,6 +203,14 @@ class HostAdder:
             raise RuntimeError(f"storm: {len(leftover)} parameters' optimizer steps did not "
                                f"run: their gradients did not all arrive")
 
+    def settle(self) -> None:
+        """Wait until every job handed over so far is done; raise the first error one hit."""
+        self.wait_for(self._handed_over)
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError("storm: adding a gradient into its host parameter, or the "
+                               "optimizer step after it, failed") from error
+
     def handed_over(self) -> int:
         """How many jobs the thread has been given so far: a mark for :meth:`wait_for`."""
         return self._handed_over
@@ -251,8 +275,9 @@ class HostAdder:
         still queued, is not one)."""
         begin = time.perf_counter()
         with torch.no_grad():
-            if param.grad is not None:
-                param.grad.add_(x)
+            grad = _TENSOR_GRAD.__get__(param)
+            if grad is not None:
+                grad.add_(x)
             else:
                 buffer, idle_count = self._buffers.get(param, (None, 0))
                 if buffer is None or _storage_use_count(buffer) != idle_count \
@@ -271,9 +296,16 @@ class HostAdder:
 
 class TransferRuntime:
     """Streams, pool and pending copies, the host thread that adds gradients (and steps the
-    parameters of an overlapped optimizer), and the device copies of resident weights. Copies
-    are keyed by the destination's data pointer, which is unique while the destination is
-    alive."""
+    parameters of an overlapped optimizer), the device copies of resident weights, and what is
+    learned of the training loop (:mod:`storm_compile.cycles`). Copies are keyed by the
+    destination's data pointer, which is unique while the destination is alive.
+
+    A backward returns once its copies home are launched and the additions of the backward
+    before it are done: the host thread adds one micro-batch's gradients while the GPU runs the
+    next, and no more than two micro-batches' gradients wait in pinned buffers. Whatever reads
+    a streamed parameter's gradient waits for its additions first (:meth:`read_grad`, called
+    by :class:`storm_compile.streaming.HostParameter`), and so does every optimizer step.
+    """
 
     def __init__(self) -> None:
         self.pool = PinnedPool()
@@ -285,16 +317,25 @@ class TransferRuntime:
         self._host_reads: dict[int, torch.cuda.Event] = {}
         self._mirrors = WeakIdKeyDictionary()
         self._optimizer_steps = 0
-        self._optimizer_hook = None
+        self._host_writes = 0
+        self._optimizer_hooks = None
         self._adder = HostAdder()
         self._joined_task: int | None = None
-        self._deferring = 0
         self._previous_backward = 0
-        self._step_pre_hook = None
         self.stepper: Step | None = None
         """While set (:class:`storm_compile.streaming.OverlappedOptimizer`), each streamed
         parameter is stepped once its gradient is complete."""
+        self.cycles = Cycles()
+        self.backwards = 0
+        """Backwards that brought streamed gradients since the last optimizer step over
+        streamed parameters."""
+        self._carried = False
+        self._stepping = False
+        self._read_after: int | None = None
+        self._in_step = 0
+        self._steps_streamed = False
         self._warned_pinning = False
+        self._warned_reads: set[int] = set()
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._d2h:
@@ -330,16 +371,29 @@ class TransferRuntime:
         if host_source is not None:
             self._host_reads[host_source] = event
 
+    def watch_optimizers(self) -> None:
+        """Follow every optimizer step from now on (idempotent)."""
+        if self._optimizer_hooks is None:
+            self._optimizer_hooks = (
+                register_optimizer_step_pre_hook(self._before_optimizer_step),
+                register_optimizer_step_post_hook(self._after_optimizer_step))
+
+    def note_host_write(self) -> None:
+        """A streamed parameter's ``.data`` was read or replaced: a write through it moves no
+        version counter, so every device copy kept of a host weight is copied again before its
+        next read."""
+        self._host_writes += 1
+
     def mirror(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The device copy of ``host`` kept across calls, copied again when ``host`` may have
         changed since: an optimizer stepped (fused optimizers update parameters without
         moving their version counters), its version counter moved (``load_state_dict``,
-        other in-place writes) or its data was replaced; the caller reads it after the current
-        stream's queued work."""
-        if self._optimizer_hook is None:
-            self._optimizer_hook = register_optimizer_step_post_hook(
-                self._optimizer_stepped)
-        state = (self._optimizer_steps, host._version, host.data_ptr(), device)
+        ``copy_`` and other in-place writes), a streamed parameter's ``.data`` was touched
+        (:meth:`note_host_write`) or its data was replaced; the caller reads it after the
+        current stream's queued work."""
+        self.watch_optimizers()
+        state = (self._optimizer_steps, self._host_writes, host._version, host.data_ptr(),
+                 device)
         kept = self._mirrors.get(host)
         if kept is not None and kept[1] == state:
             return kept[0]
@@ -348,9 +402,6 @@ class TransferRuntime:
         copy.copy_(host, non_blocking=host.is_pinned())
         self._mirrors[host] = (copy, state)
         return copy
-
-    def _optimizer_stepped(self, optimizer, args, kwargs) -> None:
-        self._optimizer_steps += 1
 
     def wait(self, tensor: torch.Tensor) -> None:
         """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""
@@ -361,11 +412,84 @@ class TransferRuntime:
 
     def accumulate(self, x: torch.Tensor, param: torch.Tensor) -> None:
         """Add host tensor ``x`` into ``param.grad``, after the copy that produced ``x``
-        (launched with ``host_reads``) when one is pending, without blocking the caller; with a
-        :attr:`stepper`, step ``param`` once its gradient is complete and no copy launched from
-        it is still reading it."""
-        step = None if self.stepper is None else functools.partial(self._step, self.stepper)
-        self._adder.add(x, param, self._host_events.pop(x.data_ptr(), None), step)
+        (launched with ``host_reads``) when one is pending, without blocking the caller, when
+        the running backward accumulates into ``param`` (:meth:`_accumulates`); with a
+        :attr:`stepper`, or in the backward that :mod:`storm_compile.cycles` learned to be a
+        step's last, step ``param`` once its gradient is complete and no copy launched from it
+        is still reading it."""
+        event = self._host_events.pop(x.data_ptr(), None)
+        if not self._accumulates(param):
+            return
+        self._carried = True
+        stepper = self.stepper or self._learned_stepper(param)
+        step = None if stepper is None else functools.partial(self._step, stepper)
+        self._stepping = self._stepping or step is not None
+        self._adder.add(x, param, event, step)
+
+    def _accumulates(self, param: torch.Tensor) -> bool:
+        """Whether the running backward accumulates into ``param.grad``: not in
+        ``backward(inputs=...)`` or ``torch.autograd.grad`` over other tensors. Raises
+        :class:`StormAutogradError` where the engine would hand the gradient to someone else:
+        ``torch.autograd.grad`` over ``param``, or a hook registered on it with
+        ``register_hook``."""
+        if param._backward_hooks:
+            raise StormAutogradError(
+                f"storm: a hook registered with register_hook on a streamed parameter (shape "
+                f"{tuple(param.shape)}) would receive None, since its gradient reaches .grad on "
+                f"storm's host thread; use register_post_accumulate_grad_hook, which sees the "
+                f"whole .grad")
+        if _current_backward() is None:
+            return True
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        try:
+            return torch._C._will_engine_execute_node(node)
+        except RuntimeError:
+            raise StormAutogradError(
+                f"storm: torch.autograd.grad cannot return the gradient of a streamed parameter "
+                f"(shape {tuple(param.shape)}): it reaches .grad on storm's host thread; call "
+                f"backward() (inputs= works) and read .grad") from None
+
+    def _learned_stepper(self, param: torch.Tensor) -> Step | None:
+        """The optimizer step of ``param`` when this backward is its step's last
+        (:mod:`storm_compile.cycles`). Raises :class:`StormOverlapError` when ``param`` was
+        stepped in an earlier backward of this step."""
+        owner = self.cycles.owner(param)
+        if owner is None:
+            return None
+        optimizer, cycle = owner
+        stepped_after = cycle.stepped.get(id(param))
+        if stepped_after is not None and stepped_after < self.backwards:
+            raise StormOverlapError(
+                f"storm: a backward brought a gradient to a streamed parameter (shape "
+                f"{tuple(param.shape)}) that its optimizer already stepped during backward "
+                f"{stepped_after + 1} of this step, the last one before each optimizer.step() "
+                f"so far: call storm_compile.overlap_optimizer(optimizer, "
+                f"backwards_per_step=...) with the real count, or enabled=False")
+        if cycle.final_backward() != self.backwards:
+            return None
+        cycle.stepped[id(param)] = self.backwards
+        return functools.partial(step_parameter, optimizer)
+
+    def read_grad(self, param: torch.Tensor) -> None:
+        """``param``'s ``.grad`` is about to be read off the host thread: wait for its pending
+        additions (raising the first error one hit). Raises :class:`StormOverlapError` when
+        ``param`` was stepped during a backward of this step, whose gradient is gone; outside
+        an optimizer step, a read after a backward is remembered, so that its optimizer is not
+        stepped during the backward (:mod:`storm_compile.cycles`)."""
+        if self._adder.on_thread():
+            return
+        self._adder.settle()
+        if self._in_step:
+            return
+        owner = self.cycles.owner(param)
+        if owner is not None and id(param) in owner[1].stepped:
+            raise StormOverlapError(
+                f"storm: the gradient of a streamed parameter (shape {tuple(param.shape)}) was "
+                f"read after its optimizer stepped it during the last backward; to read or "
+                f"clip gradients before optimizer.step(), call "
+                f"storm_compile.overlap_optimizer(optimizer, enabled=False)")
+        if self.backwards:
+            self._read_after = self.backwards
 
     def _step(self, stepper: Step, param: torch.Tensor) -> None:
         reading = self._host_reads.pop(param.data_ptr(), None)
@@ -374,13 +498,10 @@ class TransferRuntime:
         stepper(param)
 
     def wait_host(self) -> None:
-        """Every :meth:`accumulate` done (and its step) when the autograd engine's backward
-        pass ends, or now outside one: a backward of several graphs (graph breaks) launches
-        them all before the host waits, and the steps know every gradient they wait for.
-        Within :meth:`deferred` and without a :attr:`stepper`, the backward's end waits only
-        for the additions of the backward before it: the host thread adds one micro-batch's
-        gradients while the GPU runs the next, and no more than two micro-batches' gradients
-        wait in pinned buffers; the block's end waits for the rest."""
+        """At the end of the autograd engine's backward pass, or now outside one: wait for
+        the additions of the backward before this one, or, when this backward steps parameters,
+        for every addition and step. A backward of several graphs (graph breaks) launches them
+        all before the host waits, and the steps know every gradient they wait for."""
         task = _current_backward()
         if task is None:
             self._end_of_backward()
@@ -390,30 +511,54 @@ class TransferRuntime:
 
     def _end_of_backward(self) -> None:
         self._joined_task = None
-        if self._deferring and self.stepper is None:
+        if self._stepping:
+            self._adder.join()
+        else:
             self._adder.wait_for(self._previous_backward)
             self._previous_backward = self._adder.handed_over()
-        else:
-            self._adder.join()
+        self.backwards += self._carried
+        self._carried = self._stepping = False
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """A block whose backwards wait only for the host thread's additions of the backward
-        before them (:meth:`wait_host`); its end waits for them all, and so does any optimizer
-        step, in it or after it, run off the host thread (see
+        """A block whose end waits for every addition of the backwards in it (see
         :func:`storm_compile.streaming.gradient_accumulation`)."""
-        if self._step_pre_hook is None:
-            self._step_pre_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
-        self._deferring += 1
         try:
             yield
         finally:
-            self._deferring -= 1
             self._adder.join()
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if not self._adder.on_thread():
-            self._adder.join()
+        """Every addition done before any step off the host thread; the step's streamed
+        parameters told to :mod:`storm_compile.cycles`, with a warning when their gradients
+        were read after the last backward while it learns."""
+        if self._adder.on_thread():
+            return
+        self._adder.join()
+        self._in_step += 1
+        streamed = streamed_parameters(optimizer)
+        self._steps_streamed = bool(streamed)
+        cycle = self.cycles.observe(optimizer, streamed, self.backwards)
+        if cycle is None or self._read_after != self.backwards or not self.backwards:
+            return
+        if cycle.enabled and cycle.backwards_per_step is None:
+            cycle.enabled = False
+            if id(optimizer) not in self._warned_reads:
+                self._warned_reads.add(id(optimizer))
+                warnings.warn(
+                    f"storm: the gradients of streamed parameters are read between the last "
+                    f"backward and {type(optimizer).__name__}.step() (gradient clipping, a grad "
+                    f"scaler, logging), so this optimizer steps them after the backward "
+                    f"instead of during it", RuntimeWarning, stacklevel=2)
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._optimizer_steps += 1
+        if self._adder.on_thread():
+            return
+        self._in_step -= 1
+        if self._steps_streamed:
+            self.backwards = 0
+            self._read_after = None
 
     def warn_pinning_failed(self, nbytes: int, limit: int) -> None:
         if not self._warned_pinning:

@@ -29,7 +29,9 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import CheckpointPolicy
 
 from storm_compile import ops
-from storm_compile.runtime import get_runtime
+from storm_compile.cycles import OVERLAPPABLE, step_parameter
+from storm_compile.host_residency import keep_on_host
+from storm_compile.runtime import _TENSOR_GRAD, get_runtime
 from storm_compile.vocabulary import GIB, MIB, RECOMPUTE_TAG, tensor_bytes
 
 DEFAULT_RESIDENT_BYTES = 1 * MIB
@@ -47,6 +49,47 @@ ADAMW_STATES = 2
 
 class StormHostMemoryError(MemoryError):
     """The host cannot hold what streaming puts there."""
+
+
+_TENSOR_DATA = torch.Tensor.data
+
+
+class HostParameter(nn.Parameter):
+    """A parameter :func:`stream_parameters` keeps in host memory (the same object, its class
+    changed, so optimizers made before or after hold it). Two routes to it bypass what storm
+    tracks, so they go through storm first:
+
+    * ``.grad`` waits for the gradient additions still running on storm's host thread (a
+      backward returns before they are done), and raises :class:`~storm_compile.cycles.StormOverlapError` when the
+      parameter was already stepped during the backward (:mod:`storm_compile.cycles`);
+    * ``.data``, read or replaced, makes every device copy kept of a host weight be copied again
+      before its next read: writes through ``.data`` move no version counter.
+    """
+
+    storm_streamed = True
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        get_runtime().read_grad(self)
+        return _TENSOR_GRAD.__get__(self)
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        _TENSOR_GRAD.__set__(self, value)
+
+    @grad.deleter
+    def grad(self) -> None:
+        _TENSOR_GRAD.__delete__(self)
+
+    @property
+    def data(self) -> torch.Tensor:
+        get_runtime().note_host_write()
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        get_runtime().note_host_write()
+        _TENSOR_DATA.__set__(self, value)
 
 
 class _Fetch(nn.Module):
@@ -149,20 +192,50 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
     for param in unique.values():
         host = param.data.to("cpu")
         param.data = host.pin_memory() if pin else host
+        param.__class__ = HostParameter
+    get_runtime().watch_optimizers()
     for _, param in resident:
         param.data = param.data.to(device)
     for module, names in owners.items():
         for name in names:
             parametrize.register_parametrization(module, name, _Fetch(device), unsafe=True)
+            keep_on_host(module, name)
         _register_state_dict_names(module, tuple(names))
     return Streamed(names=tuple(n for n, _ in streamed), host_bytes=host_bytes,
                     resident=tuple(n for n, _ in resident))
 
 
+def overlap_optimizer(optimizer: torch.optim.Optimizer, enabled: bool = True, *,
+                      backwards_per_step: int | None = None) -> torch.optim.Optimizer:
+    """Set how ``optimizer`` steps streamed parameters; returns ``optimizer``.
+
+    Without this call storm learns it (:mod:`storm_compile.cycles`): once ``optimizer`` has
+    stepped twice after the same number of backwards with nothing reading the streamed
+    gradients in between, the last backward of each later step also steps each streamed
+    parameter as soon as its gradient is complete, while the GPU finishes that backward.
+    ``enabled=False`` keeps every step in ``optimizer.step()`` (for a loop that reads or clips
+    the gradients before it only now and then); ``backwards_per_step`` states the count, trusted
+    from the first step. Raises ``ValueError`` for a count below 1, or for an optimizer storm
+    cannot step one parameter at a time (:data:`storm_compile.cycles.OVERLAPPABLE`)."""
+    if backwards_per_step is not None and (isinstance(backwards_per_step, bool) or not
+                                           isinstance(backwards_per_step, int)
+                                           or backwards_per_step < 1):
+        raise ValueError(f"overlap_optimizer: backwards_per_step must be an int >= 1, got "
+                         f"{backwards_per_step!r}")
+    if enabled and not isinstance(optimizer, OVERLAPPABLE):
+        raise ValueError(f"overlap_optimizer: {type(optimizer).__name__} may not step one "
+                         f"parameter at a time; storm overlaps "
+                         f"{', '.join(c.__name__ for c in OVERLAPPABLE)}")
+    get_runtime().cycles.configure(optimizer, enabled, backwards_per_step)
+    return optimizer
+
+
 class OverlappedOptimizer:
     """Steps ``optimizer`` for each streamed parameter during the backward that completes its
     gradient, on the host thread that adds the gradients, while the GPU finishes that backward:
-    the optimizer's host time overlaps the backward instead of following it.
+    the optimizer's host time overlaps the backward instead of following it. The plain loop
+    does this by itself once storm has learned it (:func:`overlap_optimizer`); this class
+    says which backward, from the first step.
 
     Use it around the backward of an optimizer step's last micro-batch::
 
@@ -202,18 +275,7 @@ class OverlappedOptimizer:
             runtime.stepper = None
 
     def _step(self, param: torch.Tensor) -> None:
-        group = next((g for g in self.optimizer.param_groups
-                      if any(p is param for p in g["params"])), None)
-        if group is None:
-            raise ValueError(f"OverlappedOptimizer: a streamed parameter of shape "
-                             f"{tuple(param.shape)} is not in the optimizer")
-        groups = self.optimizer.param_groups
-        self.optimizer.param_groups = [{**group, "params": [param]}]
-        try:
-            self.optimizer.step()
-        finally:
-            self.optimizer.param_groups = groups
-        param.grad = None
+        step_parameter(self.optimizer, param)
 
 
 @contextlib.contextmanager

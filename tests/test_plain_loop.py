@@ -1,0 +1,244 @@
+"""The loop people write over streamed parameters: ``backward()`` per micro-batch, then
+``optimizer.step()`` and ``zero_grad()``. It trains as the unstreamed model does, takes the fast
+path by itself once storm has learned it (:mod:`storm_compile.cycles`), and every other route to
+a streamed parameter (``.data``, ``copy_``, ``load_state_dict``, hooks, ``autograd.grad``,
+``backward(inputs=...)``) is either right or a one-line error."""
+
+import warnings
+
+import pytest
+import torch
+
+from helpers import CPU_TEST_OPTIONS
+from storm_compile import StormAutogradError, StormOverlapError, overlap_optimizer, storm
+from storm_compile.cycles import STABLE_CYCLES
+from storm_compile.runtime import get_runtime
+from test_streaming import MICRO_BATCHES, _budget_with_room, _pair
+
+STEPS = STABLE_CYCLES + 2
+"""Steps that learn the loop, then steps that take the fast path."""
+LR = 1e-2
+
+
+def _streamed(model):
+    return [p for p in model.parameters() if getattr(p, "storm_streamed", False)]
+
+
+def _loop(net, batch, backend, *, clip: float | None = None, configure=None,
+          after_backward=None) -> tuple[list[float], list[torch.Tensor], list[bool]]:
+    """STEPS steps of MICRO_BATCHES micro-batches in the plain loop with fused AdamW (gradients
+    clipped to ``clip``); each step's last loss, the final weights, and for each step whether
+    storm stepped streamed parameters during its last backward. ``configure(optimizer)`` runs
+    first; ``after_backward(step)`` after each step's last backward."""
+    get_runtime().backwards = 0
+    optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+    if configure is not None:
+        configure(optimizer)
+    run = torch.compile(net, backend=backend)
+    losses, overlapped = [], []
+    for step in range(STEPS):
+        for _ in range(MICRO_BATCHES):
+            loss = run(*batch) / MICRO_BATCHES
+            loss.backward()
+        owner = [get_runtime().cycles.owner(p) for p in _streamed(net)]
+        overlapped.append(any(o is not None and o[1].stepped for o in owner))
+        if after_backward is not None:
+            after_backward(step)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in net.parameters()], overlapped
+
+
+def _reference(clip: float | None = None):
+    reference, model, batch = _pair()
+    expected = _loop(reference, batch, storm(**CPU_TEST_OPTIONS), clip=clip)
+    return model, batch, expected
+
+
+def _assert_trains_like(result, expected) -> None:
+    losses, params, _ = result
+    assert losses == pytest.approx(expected[0])
+    for param, want in zip(params, expected[1]):
+        torch.testing.assert_close(param, want)
+
+
+def test_plain_loop_trains_like_the_unstreamed_model_and_takes_the_fast_path_once_learned():
+    model, batch, expected = _reference()
+    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS))
+    _assert_trains_like(result, expected)
+    assert result[2] == [False] * STABLE_CYCLES + [True] * (STEPS - STABLE_CYCLES)
+
+
+def test_a_stated_count_takes_the_fast_path_from_the_first_step():
+    model, batch, expected = _reference()
+    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS),
+                   configure=lambda o: overlap_optimizer(o, backwards_per_step=MICRO_BATCHES))
+    _assert_trains_like(result, expected)
+    assert all(result[2])
+
+
+def test_overlap_turned_off_steps_in_optimizer_step():
+    model, batch, expected = _reference()
+    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS),
+                   configure=lambda o: overlap_optimizer(o, enabled=False))
+    _assert_trains_like(result, expected)
+    assert not any(result[2])
+
+
+def test_clipping_keeps_the_slow_path_with_one_warning_and_trains_right():
+    model, batch, expected = _reference(clip=1e-3)
+    with pytest.warns(RuntimeWarning, match="read between the last backward") as caught:
+        result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), clip=1e-3)
+    assert len([w for w in caught if "read between" in str(w.message)]) == 1
+    _assert_trains_like(result, expected)
+    assert not any(result[2])
+
+
+def test_reading_a_gradient_the_backward_already_stepped_is_an_error():
+    _, model, batch = _pair()
+
+    def read(step):
+        if step == STEPS - 1:
+            _streamed(model)[0].grad
+
+    with pytest.raises(StormOverlapError, match="overlap_optimizer.*enabled=False"):
+        _loop(model, batch, storm(**CPU_TEST_OPTIONS), after_backward=read)
+
+
+def test_more_backwards_than_learned_is_an_error():
+    _, model, batch = _pair()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    overlap_optimizer(optimizer, backwards_per_step=1)
+    run = torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))
+    run(*batch).backward()
+    with pytest.raises(StormOverlapError, match="backwards_per_step"):
+        run(*batch).backward()
+
+
+@pytest.mark.parametrize("args", [{"backwards_per_step": 0}, {"backwards_per_step": True}])
+def test_overlap_optimizer_rejects_a_bad_count(args):
+    optimizer = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=1.0)
+    with pytest.raises(ValueError, match="backwards_per_step must be an int >= 1"):
+        overlap_optimizer(optimizer, **args)
+
+
+def test_overlap_optimizer_refuses_an_optimizer_that_needs_every_gradient():
+    optimizer = torch.optim.LBFGS([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(ValueError, match="LBFGS may not step one parameter at a time"):
+        overlap_optimizer(optimizer)
+    assert overlap_optimizer(optimizer, enabled=False) is optimizer
+
+
+def _write_through_state_dict(net, updates: dict[int, torch.Tensor]) -> None:
+    """Subtract each ``updates[id(param)]`` from its parameter through ``load_state_dict``."""
+    state = net.state_dict()
+    keys: dict[int, list[str]] = {}
+    for key, value in state.items():
+        keys.setdefault(value.data_ptr(), []).append(key)
+    new = {key: value.clone() for key, value in state.items()}
+    for param in net.parameters():
+        for key in keys[param.data_ptr()]:
+            new[key] -= updates[id(param)]
+    net.load_state_dict(new)
+
+
+WRITES = {
+    "data": lambda net, updates: [p.data.sub_(updates[id(p)]) for p in net.parameters()],
+    "data-assigned": lambda net, updates: [setattr(p, "data", p.data - updates[id(p)])
+                                           for p in net.parameters()],
+    "copy_": lambda net, updates: [p.copy_(p - updates[id(p)]) for p in net.parameters()],
+    "load_state_dict": _write_through_state_dict,
+}
+"""Ways to change host weights outside an optimizer, each under ``torch.no_grad()``."""
+
+
+@pytest.mark.parametrize("route", WRITES)
+def test_host_weight_changes_reach_the_device_copy_before_its_next_read(route):
+    """Manual SGD on a streamed model whose weights are all kept on the device under a byte
+    budget: every route that changes a host weight reaches the device copy, so the losses are
+    the unstreamed model's."""
+    reference, model, batch = _pair()
+    budget = f"{_budget_with_room(1 << 30)}B"
+    backends = {id(reference): storm(**CPU_TEST_OPTIONS),
+                id(model): storm(**{**CPU_TEST_OPTIONS, "offload": "hidden",
+                                    "memory_budget": budget})}
+    losses = {}
+    for net in (reference, model):
+        run = torch.compile(net, backend=backends[id(net)])
+        seen = []
+        for _ in range(3):
+            loss = run(*batch)
+            loss.backward()
+            seen.append(loss.item())
+            with torch.no_grad():
+                WRITES[route](net, {id(p): LR * p.grad for p in net.parameters()})
+            net.zero_grad()
+        losses[id(net)] = seen
+    assert losses[id(model)] == pytest.approx(losses[id(reference)])
+
+
+def test_autograd_grad_over_a_streamed_parameter_is_an_error_and_leaves_grad_alone():
+    _, model, batch = _pair()
+    weight = _streamed(model)[0]
+    run = torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))
+    with pytest.raises(Exception, match="autograd.grad cannot return the gradient"):
+        torch.autograd.grad(run(*batch), [weight])
+    assert all(p.grad is None for p in _streamed(model))
+
+
+@pytest.mark.parametrize("backend", ["eager", "storm"])
+def test_backward_with_inputs_fills_only_those_inputs(backend):
+    reference, model, batch = _pair()
+    backends = {"eager": None, "storm": storm(**CPU_TEST_OPTIONS)}
+    chosen = _streamed(model)[:1]
+    others = _streamed(model)[1:]
+    run = model if backends[backend] is None else torch.compile(model, backend=backends[backend])
+    run(*batch).backward(inputs=chosen)
+    reference(*batch).backward()
+    assert all(p.grad is None for p in others)
+    names = {id(p): _model_name(n) for n, p in model.named_parameters()}
+    expected = dict(reference.named_parameters())
+    for param in chosen:
+        torch.testing.assert_close(param.grad, expected[names[id(param)]].grad)
+
+
+def test_autograd_grad_over_other_tensors_leaves_streamed_grads_alone():
+    _, model, batch = _pair()
+    resident = [p for n, p in model.named_parameters() if "norm" in n]
+    run = torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))
+    (grad,) = torch.autograd.grad(run(*batch), resident[:1])
+    assert grad is not None
+    assert all(p.grad is None for p in _streamed(model))
+
+
+def test_a_tensor_hook_on_a_streamed_parameter_is_an_error():
+    _, model, batch = _pair()
+    _streamed(model)[0].register_hook(lambda grad: grad)
+    run = torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))
+    with pytest.raises(Exception, match="register_post_accumulate_grad_hook"):
+        run(*batch).backward()
+
+
+def _model_name(name: str) -> str:
+    """A parameter's name in the unstreamed model."""
+    return name.replace("parametrizations.", "").replace(".original", "")
+
+
+def test_a_post_accumulate_grad_hook_sees_the_whole_gradient():
+    reference, model, batch = _pair()
+    reference(*batch).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    seen = {}
+    for name, param in model.named_parameters():
+        if getattr(param, "storm_streamed", False):
+            param.register_post_accumulate_grad_hook(
+                lambda p, name=_model_name(name): seen.__setitem__(name, p.grad.clone()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))(*batch).backward()
+    assert len(seen) == len(_streamed(model))
+    for name, grad in seen.items():
+        torch.testing.assert_close(grad, expected[name])

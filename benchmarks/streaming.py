@@ -6,16 +6,17 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
 
 * ``compile``: the whole model, its gradients and AdamW's state on the GPU, ``torch.compile``
   with Inductor, no memory cap (the reference).
-* ``storm``: :func:`~storm_compile.streaming.stream_parameters` keeps the parameters of 1 MiB or
-  more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``, AdamW on
-  the host; the process's GPU memory capped at ``--cap-gib`` with
-  ``torch.cuda.set_per_process_memory_fraction``.
-* ``storm-overlap``: ``storm`` with :class:`~storm_compile.streaming.OverlappedOptimizer`: the
-  streamed parameters are stepped during the backward of each step's last micro-batch.
-* ``storm-deferred``: ``storm-overlap`` with each step's micro-batches in
-  :func:`~storm_compile.streaming.gradient_accumulation`: a backward does not wait for its
-  gradients' host additions, which run during the next micro-batch (whose backward's end
-  waits for them).
+* ``storm``: the plain loop (``backward()`` per micro-batch, ``optimizer.step()``,
+  ``zero_grad()``). :func:`~storm_compile.streaming.stream_parameters` keeps the parameters of
+  1 MiB or more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``,
+  AdamW on the host; the process's GPU memory capped at ``--cap-gib`` with
+  ``torch.cuda.set_per_process_memory_fraction``. Storm learns the loop
+  (:mod:`storm_compile.cycles`) in the untimed step and the first timed one; where the number of
+  micro-batches changes between points, the run says so with
+  :func:`~storm_compile.streaming.overlap_optimizer`, which starts the learning afresh.
+* ``storm-explicit``: ``storm`` with the constructs that say up front what storm would learn:
+  :class:`~storm_compile.streaming.OverlappedOptimizer` around the last micro-batch's backward
+  and the micro-batches in :func:`~storm_compile.streaming.gradient_accumulation`.
 * ``fsdp2-offload``: ``fully_shard`` on every block and the root with ``CPUOffloadPolicy`` on a
   one-rank process group (torch's hook-based offload), eager, AdamW on the host, same cap;
   gradient accumulation as FSDP2 documents it: ``set_requires_gradient_sync(False)`` for every
@@ -90,6 +91,7 @@ from storm_compile.streaming import (
     DEFAULT_RESIDENT_BYTES,
     OverlappedOptimizer,
     gradient_accumulation,
+    overlap_optimizer,
     stream_parameters,
 )
 from storm_compile.vocabulary import GIB, MS
@@ -98,7 +100,7 @@ OPS_REPORTED = 12
 """The ops with the most predicted compute time a storm row lists in results.json: enough to see
 which op a prediction gets wrong when it is set beside a profile of the run."""
 REFERENCE = "compile"
-METHODS = ("compile", "storm", "storm-overlap", "storm-deferred", "fsdp2-offload")
+METHODS = ("compile", "storm", "storm-explicit", "fsdp2-offload")
 LEARNING_RATE = 3e-4
 """A usual AdamW rate for models of this size: the loss moves visibly within 100 steps."""
 MODEL_SEED = 0
@@ -155,11 +157,18 @@ def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Ten
 
 def _trainer(forward: Callable, optimizer: torch.optim.Optimizer, sync: Callable[[], None],
              overlapped: OverlappedOptimizer | None = None, deferred: bool = False,
-             reduce_gradients: Callable[[bool], None] | None = None) -> Callable:
+             reduce_gradients: Callable[[bool], None] | None = None,
+             relearn: bool = False) -> Callable:
     """With ``overlapped``, the last micro-batch's backward steps the streamed parameters;
     ``deferred``, the micro-batches run in :func:`gradient_accumulation`;
-    ``reduce_gradients(last)`` is called before each micro-batch."""
+    ``reduce_gradients(last)`` is called before each micro-batch; ``relearn``: a step with
+    another number of micro-batches than the one before starts storm's learning afresh."""
+    counts = []
+
     def step(micro_batches):
+        if relearn and counts[-1:] != [len(micro_batches)]:
+            overlap_optimizer(optimizer)
+        counts.append(len(micro_batches))
         with gradient_accumulation() if deferred else contextlib.nullcontext():
             for index, (tokens, targets) in enumerate(micro_batches):
                 last = index == len(micro_batches) - 1
@@ -192,8 +201,7 @@ def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
     return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda micro_batches: None)
 
 
-def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False,
-           deferred: bool = False) -> _Run:
+def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
     _cap(args.cap_gib, cuda)
     model = _model(shape, args, "cpu")
     stream_parameters(model, args.device, resident_bytes=args.resident_bytes)
@@ -206,7 +214,8 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False,
 
     def observe(graphs: StormGraphs) -> None:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
-        predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlap, deferred))
+        predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlapped=True,
+                                      accumulating=True))
         peaks.append(device_bytes(graphs, simulate(graphs, backend.ctx.cost)))
         for module in (graphs.forward, graphs.backward):
             for node in module.graph.nodes:
@@ -223,9 +232,9 @@ def _storm(shape: LlamaShape, args, cuda: bool, overlap: bool = False,
 
     backend = StormBackend(StormConfig.from_options(**options), observer=observe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    overlapped = OverlappedOptimizer(optimizer) if overlap else None
+    overlapped = OverlappedOptimizer(optimizer) if explicit else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
-                         overlapped, deferred),
+                         overlapped, deferred=explicit, relearn=not explicit),
                 predicted_step, op_ms, peaks)
 
 
@@ -250,8 +259,7 @@ def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
 
 
 BUILDERS = {"compile": _compile, "storm": _storm,
-            "storm-overlap": functools.partial(_storm, overlap=True),
-            "storm-deferred": functools.partial(_storm, overlap=True, deferred=True),
+            "storm-explicit": functools.partial(_storm, explicit=True),
             "fsdp2-offload": _fsdp2_offload}
 
 

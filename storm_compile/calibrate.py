@@ -121,7 +121,7 @@ def calibrate(name: str | None = None) -> DeviceProfile:
         **host_rates())
 
 
-def _seconds_on_a_thread(work: Callable[[], None], repeats: int) -> float:
+def seconds_on_a_thread(work: Callable[[], None], repeats: int) -> float:
     """Median wall seconds of ``work`` run on a thread of its own, as storm's host thread runs
     its additions and steps (after one untimed run)."""
     times: list[float] = []
@@ -187,8 +187,8 @@ def host_rates(nbytes: int = HOST_PROBE_BYTES, repeats: int = HOST_REPEATS
     arrived = torch.ones(elements, dtype=HOST_PROBE_DTYPE, pin_memory=pin)
     optimizer = torch.optim.AdamW([param], fused=True)
     with _link_busy():
-        add = _seconds_on_a_thread(lambda: param.grad.add_(arrived), repeats)
-        adamw = _seconds_on_a_thread(optimizer.step, repeats)
+        add = seconds_on_a_thread(lambda: param.grad.add_(arrived), repeats)
+        adamw = seconds_on_a_thread(optimizer.step, repeats)
     size = elements * HOST_PROBE_DTYPE.itemsize
     return {"host_add_bandwidth": size / add, "host_adamw_bandwidth": size / adamw}
 

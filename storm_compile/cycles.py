@@ -117,9 +117,9 @@ class Cycles:
 
     def configure(self, optimizer: torch.optim.Optimizer, enabled: bool,
                   backwards_per_step: int | None) -> None:
-        """Set ``optimizer``'s cycle (:func:`storm_compile.streaming.overlap_optimizer`)."""
-        cycle = self._cycles.setdefault(optimizer, Cycle())
-        cycle.enabled, cycle.backwards_per_step = enabled, backwards_per_step
+        """Set ``optimizer``'s cycle (:func:`storm_compile.streaming.overlap_optimizer`),
+        forgetting what was learned of it."""
+        self._cycles[optimizer] = Cycle(backwards_per_step=backwards_per_step, enabled=enabled)
         self._own(optimizer, streamed_parameters(optimizer))
 
     def _own(self, optimizer: torch.optim.Optimizer, streamed: list[torch.Tensor]) -> None:

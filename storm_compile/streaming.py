@@ -215,7 +215,10 @@ def overlap_optimizer(optimizer: torch.optim.Optimizer, enabled: bool = True, *,
     parameter as soon as its gradient is complete, while the GPU finishes that backward.
     ``enabled=False`` keeps every step in ``optimizer.step()`` (for a loop that reads or clips
     the gradients before it only now and then); ``backwards_per_step`` states the count, trusted
-    from the first step. Raises ``ValueError`` for a count below 1, or for an optimizer storm
+    from the first step. Each call forgets what was learned: call it when the number of
+    backwards per step changes, since a learned count that grows is an error (a parameter
+    stepped during a backward that turned out not to be the last cannot be stepped back).
+    Raises ``ValueError`` for a count below 1, or for an optimizer storm
     cannot step one parameter at a time (:data:`storm_compile.cycles.OVERLAPPABLE`)."""
     if backwards_per_step is not None and (isinstance(backwards_per_step, bool) or not
                                            isinstance(backwards_per_step, int)

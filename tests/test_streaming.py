@@ -199,11 +199,14 @@ def test_weight_prefetches_are_placed_ahead_of_their_reads():
 
 
 def _train(net, batch, backend, lr: float, fused: bool | None, scheduled: bool,
-           deferred: bool = False) -> tuple[list[float], list[torch.Tensor]]:
+           deferred: bool = False, overlap: bool = True
+           ) -> tuple[list[float], list[torch.Tensor]]:
     """STEPS AdamW steps of MICRO_BATCHES accumulated micro-batches of ``batch`` (an LR schedule
-    with ``scheduled``; the micro-batches in ``gradient_accumulation()`` with ``deferred``):
-    each step's last loss and the final weights, on the CPU."""
+    with ``scheduled``; the micro-batches in ``gradient_accumulation()`` with ``deferred``; no
+    streamed parameter stepped during a backward without ``overlap``): each step's last loss
+    and the final weights, on the CPU."""
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, fused=fused)
+    streaming.overlap_optimizer(optimizer, enabled=overlap)
     schedule = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2) \
         if scheduled else None
     run = torch.compile(net, backend=backend)
@@ -678,10 +681,11 @@ def test_resident_weights_follow_the_optimizer():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("way", ["overlapped-optimizer", "resident-weights", "deferred",
-                                 "deferred-overlapped"])
+                                 "deferred-overlapped", "plain-loop"])
 def test_streamed_training_on_the_gpu_matches_each_way_of_running_the_step(way):
     """The host thread's additions and steps against real copy streams (the optimizer
-    overlapped, the micro-batches' additions deferred, or both), or the device copies kept
+    overlapped, the micro-batches' additions deferred, both, or both as the plain loop learns
+    them), or the device copies kept
     across optimizer steps: the same weights as the streamed model stepped after its
     backward. Both step with the host's AdamW, so a difference is the way's alone (against
     the GPU's AdamW, a gradient near zero turns float noise into a step of up to the rate)."""
@@ -691,8 +695,11 @@ def test_streamed_training_on_the_gpu_matches_each_way_of_running_the_step(way):
     for streamed in (reference, model):
         stream_parameters(streamed, "cuda", resident_bytes=RESIDENT_BYTES)
     _, expected = _train(reference, batch, storm(min_offload_bytes=0), lr=1e-2, fused=True,
-                         scheduled=True)
-    if way == "overlapped-optimizer":
+                         scheduled=True, overlap=False)
+    if way == "plain-loop":
+        _, params = _train(model, batch, storm(min_offload_bytes=0), lr=1e-2, fused=True,
+                           scheduled=True)
+    elif way == "overlapped-optimizer":
         params = _train_overlapped(model, batch, storm(min_offload_bytes=0))
     elif way == "deferred":
         _, params = _train(model, batch, storm(min_offload_bytes=0), lr=1e-2, fused=True,

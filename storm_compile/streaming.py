@@ -238,7 +238,8 @@ class OverlappedOptimizer:
     gradient, on the host thread that adds the gradients, while the GPU finishes that backward:
     the optimizer's host time overlaps the backward instead of following it. The plain loop
     does this by itself once storm has learned it (:func:`overlap_optimizer`); this class
-    says which backward, from the first step.
+    says which backward, from the first step, and for any number of backwards per step
+    (storm learns nothing of an optimizer wrapped in it).
 
     Use it around the backward of an optimizer step's last micro-batch::
 
@@ -263,7 +264,7 @@ class OverlappedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
+        self.optimizer = overlap_optimizer(optimizer, enabled=False)
 
     @contextlib.contextmanager
     def final_backward(self) -> Iterator[None]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import CPU_TEST_OPTIONS
-from storm_compile import StormAutogradError, StormOverlapError, overlap_optimizer, storm
+from storm_compile import StormOverlapError, overlap_optimizer, storm, streaming
 from storm_compile.cycles import STABLE_CYCLES
 from storm_compile.runtime import get_runtime
 from test_streaming import MICRO_BATCHES, _budget_with_room, _pair
@@ -116,6 +116,30 @@ def test_more_backwards_than_learned_is_an_error():
     run(*batch).backward()
     with pytest.raises(StormOverlapError, match="backwards_per_step"):
         run(*batch).backward()
+
+
+def test_the_explicit_overlapped_optimizer_serves_any_number_of_backwards_per_step():
+    """Storm learns nothing of an optimizer wrapped in OverlappedOptimizer: steps of two, then
+    of three backwards train as the unstreamed model does."""
+    reference, model, batch = _pair()
+    params = {}
+    for net in (reference, model):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+        overlapped = streaming.OverlappedOptimizer(optimizer)
+        run = torch.compile(net, backend=storm(**CPU_TEST_OPTIONS))
+        for backwards in [2] * STEPS + [3]:
+            for index in range(backwards):
+                loss = run(*batch) / backwards
+                if index < backwards - 1 or net is reference:
+                    loss.backward()
+                    continue
+                with overlapped.final_backward():
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        params[id(net)] = [p.detach() for p in net.parameters()]
+    for param, want in zip(params[id(model)], params[id(reference)]):
+        torch.testing.assert_close(param, want)
 
 
 @pytest.mark.parametrize("args", [{"backwards_per_step": 0}, {"backwards_per_step": True}])

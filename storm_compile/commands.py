@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.utils._pytree import tree_leaves
 
 from storm_compile.arguments import DEFAULT_LLAMA_PRESET, GPT_KNOBS, LLAMA_KNOBS, PARETO_FRACTIONS
@@ -220,15 +221,16 @@ def plan_model(model: str, ctx: PassContext, stream: bool = False,
     ``path/to/file.py:factory``) forward and backward with fake tensors, and run storm's passes
     on its one graph pair with ``ctx``; with ``stream``, its parameters are streamed from host
     memory first (:func:`~storm_compile.streaming.stream_parameters`). Each pass run is in the
-    result's ``records``. Raises :class:`ModelSpecError` for a model that cannot be built or
-    traced."""
+    result's ``records``. The graphs are lazy graph modules: their Python code, which nothing
+    here runs, is generated only if read. Raises :class:`ModelSpecError` for a model that cannot
+    be built or traced."""
     captured: list[StormGraphs] = []
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     module, inputs = _build(model, shape, fake_mode)
     if stream:
         with fake_mode:
             stream_parameters(module, "cpu", host_check=False)
-    with fake_mode:
+    with fake_mode, _use_lazy_graph_module(True):    # the graphs are planned, never run
         aot_module_simplified(_TupleOutput(module, model), inputs, fw_compiler=boxed_nop,
                               bw_compiler=boxed_nop,
                               partition_fn=StormPartitioner(ctx, observer=captured.append))

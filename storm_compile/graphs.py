@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
+from torch._functorch import config as functorch_config
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from storm_compile.config import StormConfig
 from storm_compile.cost_model import CostModel
@@ -43,10 +44,17 @@ class JointGraph:
         The partitioner first removes dead code and common subexpressions from the joint graph
         in place (a tagged node may go with them) and settles some tags on it (values it must
         save), then splits what is left: its split is also the one for the graph and tags it
-        leaves behind, which every later call sees, so it is stored under those tags too."""
+        leaves behind, which every later call sees, so it is stored under those tags too.
+        Between splits only the recompute tags change, which common-subexpression elimination
+        does not read, and the graph the first split left has no common subexpression left: a
+        later split skips that pass (a copy of the whole graph) and gives what it would give.
+
+        Assumes: after its first split, the joint graph's nodes change only in their recompute
+        tags (``rematerialize`` and the pipeline's re-plans set only those)."""
         tags = self._tags()
         if tags not in self._splits:
-            with _use_lazy_graph_module(True):    # the split is only ever copied, never run
+            cse = functorch_config.cse and not self._splits
+            with _use_lazy_graph_module(True), functorch_config.patch(cse=cse):
                 split = min_cut_rematerialization_partition(self.module, self.inputs,
                                                             **self.partition_kwargs)
             self._splits[tags] = split
@@ -58,6 +66,20 @@ class JointGraph:
         """The recompute tags on the joint graph's nodes, by node name."""
         return frozenset((n.name, n.meta[RECOMPUTE_TAG]) for n in self.module.graph.nodes
                          if RECOMPUTE_TAG in n.meta)
+
+
+def lazy_module(module: fx.GraphModule) -> fx.GraphModule:
+    """``module`` as a lazy graph module on the same graph, with its ``meta``: its Python code
+    is generated only when it is called or its ``code`` read. A joint graph is rewritten by
+    storm's streaming passes and again by each partition (each recompiles it), and never run,
+    so that code (half a CPU second for the streamed 28-layer Llama's) need never be made.
+    AOTAutograd already hands over a lazy module (returned as it is) under dynamo's default
+    config and :func:`~storm_compile.commands.plan_model`; other callers of AOTAutograd may
+    not. The graph now belongs to the returned module."""
+    lazy = _LazyGraphModule.from_graphmodule(module)
+    if lazy is not module:
+        lazy.meta.update(module.meta)
+    return lazy
 
 
 def _copy_module(module: fx.GraphModule) -> fx.GraphModule:

@@ -23,6 +23,7 @@ from storm_compile.graphs import (
     PassRecord,
     StormGraphs,
     copy_decided,
+    lazy_module,
 )
 from storm_compile.passes import (
     annotate_costs,
@@ -394,6 +395,7 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
     # 1. capture: AOTAutograd traced the joint graph; split it the way torch.compile does,
     #    with streamed weights fetched again in the backward instead of saved, and a tied
     #    weight's gradients summed on the device.
+    joint = lazy_module(joint)
     refetch_in_backward(joint)
     sum_gradients_on_device(joint)
     joint_graph = JointGraph(joint, joint_inputs, partition_kwargs)

@@ -1,4 +1,5 @@
-"""Planning does each piece of work once: the partitioner once per set of recompute tags, the
+"""Planning does each piece of work once: the partitioner once per set of recompute tags and its
+common-subexpression elimination once per joint graph, whose code is never generated, the
 storage decisions once per plan that differs in more than the room for resident weights, and
 the placement's and rewrite's shortcuts give what the long way gives. Counts, never timings."""
 
@@ -7,7 +8,9 @@ import random
 
 import pytest
 import torch
+from torch._functorch import partitioners
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -83,6 +86,29 @@ def test_a_budget_partitions_once_per_set_of_recompute_tags(monkeypatch):
     distinct = {names for names in recomputed if names}
     assert len(recomputed) > 1 and distinct, "the budget makes re-plans that recompute"
     assert len(partitions) == 1 + len(distinct)
+
+
+def test_only_the_first_split_eliminates_common_subexpressions(monkeypatch):
+    """Re-splits skip the partitioner's common-subexpression elimination (a copy of the whole
+    joint graph): the graph the first split left has none left to eliminate."""
+    eliminate, budget = partitioners.fx_graph_cse, _budget(FEW_ROOM_BYTES)
+    partitions, eliminations = [], []
+    _counting(monkeypatch, graphs_module, "min_cut_rematerialization_partition", partitions)
+    _counting(monkeypatch, partitioners, "fx_graph_cse", eliminations)
+    graphs = _streamed_graphs(offload="hidden", memory_budget=budget, recompute=True)
+    joint = graphs.joint.module.graph
+    assert len(partitions) > 1 and len(eliminations) == 1
+    assert len(eliminate(joint).nodes) == len(joint.nodes)
+
+
+def test_the_joint_graph_never_generates_its_code():
+    """The joint graph is rewritten and split, never run: its Python code is never made, even
+    when AOTAutograd hands it over as an eager graph module (dynamo's lazy modules off)."""
+    budget = _budget(FEW_ROOM_BYTES)
+    with torch._dynamo.config.patch(use_lazy_graph_module=False):
+        graphs = _streamed_graphs(offload="hidden", memory_budget=budget, recompute=True)
+    joint = graphs.joint.module
+    assert isinstance(joint, _LazyGraphModule) and joint._needs_recompile()
 
 
 def test_a_split_is_reused_after_the_partitioner_pruned_a_tagged_node(monkeypatch):

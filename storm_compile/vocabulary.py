@@ -6,6 +6,7 @@ run on the compute stream. It depends on nothing of storm's but its ops.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 
 import torch
@@ -109,9 +110,17 @@ def is_view(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         source = node.args[0]
         return isinstance(source, fx.Node) and is_view(source)
-    if node.target in UNANNOTATED_VIEWS:
+    return _returns_view(node.target)
+
+
+@functools.cache
+def _returns_view(target) -> bool:
+    """Whether a call of ``target`` returns a view of an input: one of
+    :data:`UNANNOTATED_VIEWS`, or an op whose schema says an output aliases an input without
+    writing it. Asked for every node by every pass and simulation, so answered once per op."""
+    if target in UNANNOTATED_VIEWS:
         return True
-    schema = getattr(node.target, "_schema", None)
+    schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
                                       for r in schema.returns)
 

@@ -294,6 +294,7 @@ def _losses(shape: LlamaShape, args, cuda: bool, method: str) -> dict | str:
     except Exception as error:  # noqa: BLE001 - a failing method is a result, not a crash
         return error_line(error)
     finally:
+        run = None
         _release()
 
 

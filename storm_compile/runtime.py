@@ -531,7 +531,9 @@ class TransferRuntime:
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """Every addition done before any step off the host thread; the step's streamed
         parameters told to :mod:`storm_compile.cycles`, with a warning when their gradients
-        were read after the last backward while it learns."""
+        were read after the last backward while it learns. A step given a closure runs a
+        backward of its own after this hook (Lightning steps so), so storm cannot count the
+        step's backwards, and stops stepping that optimizer's parameters during them."""
         if self._adder.on_thread():
             return
         self._adder.join()
@@ -539,6 +541,10 @@ class TransferRuntime:
         streamed = streamed_parameters(optimizer)
         self._steps_streamed = bool(streamed)
         cycle = self.cycles.observe(optimizer, streamed, self.backwards)
+        closure = args[0] if args else kwargs.get("closure")
+        if cycle is not None and closure is not None:
+            cycle.enabled = False
+            return
         if cycle is None or self._read_after != self.backwards or not self.backwards:
             return
         if cycle.enabled and cycle.backwards_per_step is None:

@@ -142,6 +142,32 @@ def test_the_explicit_overlapped_optimizer_serves_any_number_of_backwards_per_st
         torch.testing.assert_close(param, want)
 
 
+def test_a_step_given_a_closure_is_never_stepped_during_its_backwards():
+    """Lightning's loop: the last micro-batch's backward runs inside ``optimizer.step(closure)``,
+    after the step's pre-hook, so storm cannot count the step's backwards and leaves the
+    steps to ``optimizer.step``."""
+    reference, model, batch = _pair()
+    params = {}
+    for net in (reference, model):
+        get_runtime().backwards = 0
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+        run = torch.compile(net, backend=storm(**CPU_TEST_OPTIONS))
+
+        def closure(run=run):
+            loss = run(*batch) / MICRO_BATCHES
+            loss.backward()
+            return loss
+
+        for _ in range(STEPS):
+            for _ in range(MICRO_BATCHES - 1):
+                (run(*batch) / MICRO_BATCHES).backward()
+            optimizer.step(closure)
+            optimizer.zero_grad()
+        params[id(net)] = [p.detach() for p in net.parameters()]
+    for param, want in zip(params[id(model)], params[id(reference)]):
+        torch.testing.assert_close(param, want)
+
+
 @pytest.mark.parametrize("args", [{"backwards_per_step": 0}, {"backwards_per_step": True}])
 def test_overlap_optimizer_rejects_a_bad_count(args):
     optimizer = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=1.0)

@@ -385,16 +385,9 @@ def lightning_reference(tmp_path_factory):
     return losses, validation, torch.load(checkpoint, weights_only=False)["state_dict"]
 
 
-CLOSURE_STEP_BUG = pytest.mark.xfail(strict=True, reason=(
-    "storm learns the backwards per optimizer step in optimizer.step()'s pre-hook, before the "
-    "backward Lightning runs inside optimizer.step(closure): with accumulation it learns one "
-    "backward too few and, from the third step on, steps streamed parameters during the "
-    "first micro-batch's backward (wrong weights, no error)"))
-
-
 @pytest.mark.parametrize("options,where,stream", [
     ("defaults", "configure_model", False),
-    pytest.param("budget-0.5", "__init__", True, marks=CLOSURE_STEP_BUG)],
+    ("budget-0.5", "__init__", True)],
     ids=["defaults-configure_model", "budget-0.5-__init__-streamed"])
 def test_lightning_trains_and_checkpoints_like_the_reference(options, where, stream,
                                                              lightning_reference, tmp_path):

@@ -331,6 +331,8 @@ class TransferRuntime:
         streamed parameters."""
         self._carried = False
         self._stepping = False
+        self._unguarded = False
+        self._deferring = 0
         self._read_after: int | None = None
         self._in_step = 0
         self._steps_streamed = False
@@ -421,6 +423,7 @@ class TransferRuntime:
         if not self._accumulates(param):
             return
         self._carried = True
+        self._unguarded = self._unguarded or not getattr(param, "storm_streamed", False)
         stepper = self.stepper or self._learned_stepper(param)
         step = None if stepper is None else functools.partial(self._step, stepper)
         self._stepping = self._stepping or step is not None
@@ -499,8 +502,10 @@ class TransferRuntime:
 
     def wait_host(self) -> None:
         """At the end of the autograd engine's backward pass, or now outside one: wait for
-        the additions of the backward before this one, or, when this backward steps parameters,
-        for every addition and step. A backward of several graphs (graph breaks) launches them
+        the additions of the backward before this one, or, when this backward steps parameters
+        or added into one whose ``.grad`` does not wait for its additions (not a
+        :class:`~storm_compile.streaming.HostParameter`) outside :meth:`deferred`, for every
+        addition and step. A backward of several graphs (graph breaks) launches them
         all before the host waits, and the steps know every gradient they wait for."""
         task = _current_backward()
         if task is None:
@@ -511,21 +516,24 @@ class TransferRuntime:
 
     def _end_of_backward(self) -> None:
         self._joined_task = None
-        if self._stepping:
+        if self._stepping or (self._unguarded and not self._deferring):
             self._adder.join()
         else:
             self._adder.wait_for(self._previous_backward)
             self._previous_backward = self._adder.handed_over()
         self.backwards += self._carried
-        self._carried = self._stepping = False
+        self._carried = self._stepping = self._unguarded = False
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
-        """A block whose end waits for every addition of the backwards in it (see
-        :func:`storm_compile.streaming.gradient_accumulation`)."""
+        """A block whose end waits for every addition of the backwards in it, and whose
+        backwards leave their own additions to the next, also for parameters whose ``.grad``
+        does not wait for them (see :func:`storm_compile.streaming.gradient_accumulation`)."""
+        self._deferring += 1
         try:
             yield
         finally:
+            self._deferring -= 1
             self._adder.join()
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:

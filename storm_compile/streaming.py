@@ -56,8 +56,9 @@ _TENSOR_DATA = torch.Tensor.data
 
 class HostParameter(nn.Parameter):
     """A parameter :func:`stream_parameters` keeps in host memory (the same object, its class
-    changed, so optimizers made before or after hold it). Two routes to it bypass what storm
-    tracks, so they go through storm first:
+    changed, so optimizers made before or after hold it; a parameter of another class, such as
+    a fake tensor planned for another machine, keeps its class, and a backward then waits for
+    its additions). Two routes to it bypass what storm tracks, so they go through storm first:
 
     * ``.grad`` waits for the gradient additions still running on storm's host thread (a
       backward returns before they are done), and raises :class:`~storm_compile.cycles.StormOverlapError` when the
@@ -192,7 +193,8 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
     for param in unique.values():
         host = param.data.to("cpu")
         param.data = host.pin_memory() if pin else host
-        param.__class__ = HostParameter
+        if type(param) is nn.Parameter:
+            param.__class__ = HostParameter
     get_runtime().watch_optimizers()
     for _, param in resident:
         param.data = param.data.to(device)

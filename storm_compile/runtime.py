@@ -473,6 +473,14 @@ class TransferRuntime:
         cycle.stepped[id(param)] = self.backwards
         return functools.partial(step_parameter, optimizer)
 
+    def grad_cleared(self) -> None:
+        """A streamed parameter's ``.grad`` was set to None off the host thread and outside an
+        optimizer step (``zero_grad``): the backwards counted towards the next step start
+        again from zero, so a backward run without a step since (an evaluation's, an aborted
+        step's) does not shift what :mod:`storm_compile.cycles` learns."""
+        if not self._adder.on_thread() and not self._in_step:
+            self.backwards = 0
+
     def read_grad(self, param: torch.Tensor) -> None:
         """``param``'s ``.grad`` is about to be read off the host thread: wait for its pending
         additions (raising the first error one hit). Raises :class:`StormOverlapError` when
@@ -549,7 +557,7 @@ class TransferRuntime:
         streamed = streamed_parameters(optimizer)
         self._steps_streamed = bool(streamed)
         cycle = self.cycles.observe(optimizer, streamed, self.backwards)
-        closure = args[0] if args else kwargs.get("closure")
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is optimizer
         if cycle is not None and closure is not None:
             cycle.enabled = False
             return

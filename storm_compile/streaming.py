@@ -61,8 +61,10 @@ class HostParameter(nn.Parameter):
     its additions). Two routes to it bypass what storm tracks, so they go through storm first:
 
     * ``.grad`` waits for the gradient additions still running on storm's host thread (a
-      backward returns before they are done), and raises :class:`~storm_compile.cycles.StormOverlapError` when the
-      parameter was already stepped during the backward (:mod:`storm_compile.cycles`);
+      backward returns before they are done), and raises
+      :class:`~storm_compile.cycles.StormOverlapError` when the parameter was already stepped
+      during the backward (:mod:`storm_compile.cycles`); setting it to None (``zero_grad``)
+      starts a new count of backwards;
     * ``.data``, read or replaced, makes every device copy kept of a host weight be copied again
       before its next read: writes through ``.data`` move no version counter.
     """
@@ -76,6 +78,8 @@ class HostParameter(nn.Parameter):
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
+        if value is None:
+            get_runtime().grad_cleared()
         _TENSOR_GRAD.__set__(self, value)
 
     @grad.deleter
@@ -217,7 +221,8 @@ def overlap_optimizer(optimizer: torch.optim.Optimizer, enabled: bool = True, *,
     parameter as soon as its gradient is complete, while the GPU finishes that backward.
     ``enabled=False`` keeps every step in ``optimizer.step()`` (for a loop that reads or clips
     the gradients before it only now and then); ``backwards_per_step`` states the count, trusted
-    from the first step. Each call forgets what was learned: call it when the number of
+    from the first step, counted from this call or the last ``zero_grad``. Each call forgets
+    what was learned: call it when the number of
     backwards per step changes, since a learned count that grows is an error (a parameter
     stepped during a backward that turned out not to be the last cannot be stepped back).
     Raises ``ValueError`` for a count below 1, or for an optimizer storm
@@ -231,7 +236,9 @@ def overlap_optimizer(optimizer: torch.optim.Optimizer, enabled: bool = True, *,
         raise ValueError(f"overlap_optimizer: {type(optimizer).__name__} may not step one "
                          f"parameter at a time; storm overlaps "
                          f"{', '.join(c.__name__ for c in OVERLAPPABLE)}")
-    get_runtime().cycles.configure(optimizer, enabled, backwards_per_step)
+    runtime = get_runtime()
+    runtime.cycles.configure(optimizer, enabled, backwards_per_step)
+    runtime.backwards = 0
     return optimizer
 
 

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from helpers import CPU_TEST_OPTIONS
 from storm_compile import storm
 from storm_compile.host_residency import HostResidentParametrizationList
 from storm_compile.models import LLAMA_PRESETS, Llama, build_llama
+from storm_compile.runtime import get_runtime
 from storm_compile.streaming import stream_parameters
 
 SHAPE = LLAMA_PRESETS["tiny"]
@@ -185,11 +187,11 @@ def _token_rows(count: int, length: int = 16) -> torch.Tensor:
 
 
 def _trainer(model: nn.Module, output_dir: Path, save_steps: int | None = None,
-             cpu: bool = True):
+             cpu: bool = True, max_grad_norm: float = 1.0):
     """A Hugging Face ``Trainer`` over ``model`` (on the CPU with ``cpu``, else on its default
     device), recording each micro-batch's loss in ``.losses``: STEPS steps of MICRO_BATCHES
-    micro-batches, gradients clipped (the Trainer's default), a checkpoint every
-    ``save_steps`` steps (None: no checkpoints)."""
+    micro-batches, gradients clipped to ``max_grad_norm`` (the Trainer's default; 0: not
+    clipped), a checkpoint every ``save_steps`` steps (None: no checkpoints)."""
     transformers = pytest.importorskip("transformers")
 
     class Recording(transformers.Trainer):
@@ -203,6 +205,7 @@ def _trainer(model: nn.Module, output_dir: Path, save_steps: int | None = None,
     args = transformers.TrainingArguments(
         output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=2,
         gradient_accumulation_steps=MICRO_BATCHES, learning_rate=LR, use_cpu=cpu,
+        max_grad_norm=max_grad_norm,
         report_to="none", logging_steps=1, disable_tqdm=True, seed=SEED,
         save_strategy="no" if save_steps is None else "steps", save_steps=save_steps)
     data = [{"input_ids": row, "labels": row} for row in _token_rows(32)]
@@ -264,6 +267,25 @@ def test_trainer_keeps_a_streamed_model_streamed_and_checkpoints_it(hf_reference
     _assert_same_state(model.state_dict(), expected_state)
     for step in (2, STEPS):
         _assert_same_state(_checkpoint(tmp_path, step), _checkpoint(reference_dir, step))
+
+
+def test_trainer_reads_gradients_every_step_so_storm_warns_once_and_steps_after(tmp_path):
+    """The Trainer computes the gradient norm before every optimizer step, for its logs, even
+    with ``max_grad_norm=0``: storm warns once and steps the streamed parameters in
+    ``optimizer.step()``, and trains as the unstreamed model does."""
+    reference = _hf_llama()
+    _trainer(reference, tmp_path / "reference", max_grad_norm=0.0).train()
+    model = _hf_llama(stream=True)
+    model.compile(backend=storm(**CPU_TEST_OPTIONS))
+    trainer = _trainer(model, tmp_path / "storm", max_grad_norm=0.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert len([w for w in caught if "read between the last backward" in str(w.message)]) == 1
+    _assert_same_state(model.state_dict(), reference.state_dict())
+    owners = [get_runtime().cycles.owner(p) for p in model.parameters()
+              if getattr(p, "storm_streamed", False)]
+    assert owners and not any(o[1].enabled for o in owners)
 
 
 def test_trainer_resumes_a_streamed_model_from_its_checkpoint(hf_reference, tmp_path):

@@ -97,15 +97,50 @@ class HostParameter(nn.Parameter):
         _TENSOR_DATA.__set__(self, value)
 
 
+class StormWriteError(RuntimeError):
+    """A write into ``module.weight`` of a streamed parameter: a device copy made for that read,
+    so the write would be lost."""
+
+
+_DATA_GET = torch.Tensor.data.__get__
+_DATA_SET = torch.Tensor.data.__set__
+
+
+class DeviceCopy(torch.Tensor):
+    """What reading ``module.weight`` of a streamed parameter returns outside a compiled graph:
+    the copy :func:`stream_parameters` fetched for that read. Any op reads it as a plain tensor
+    (and returns plain tensors); ``.data`` and in-place ops raise :class:`StormWriteError`,
+    since a write into a copy made for one read is lost (peft's ``merge_and_unload``,
+    ``nn.init`` on ``module.weight``, ``module.weight.data = ...``)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        kwargs = kwargs or {}
+        written = args[0] if args else next(iter(kwargs.values()), None)  # nn.init: tensor=
+        in_place = name.endswith("_") and not name.endswith("__") \
+            and isinstance(written, DeviceCopy)
+        if in_place or func == _DATA_GET or func == _DATA_SET:
+            raise StormWriteError(
+                "storm: module.weight of a streamed parameter is a device copy fetched for this "
+                "read, so a write into it (.data, in-place ops, merging adapters, nn.init) is "
+                "lost; write into the host parameter, module.parametrizations.weight.original, "
+                "under torch.no_grad()")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
 class _Fetch(nn.Module):
-    """The parametrization of a streamed parameter: its device copy."""
+    """The parametrization of a streamed parameter: its device copy (a :class:`DeviceCopy`
+    outside a compiled graph)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.storm.fetch_weight(weight, self.device)
+        copy = torch.ops.storm.fetch_weight(weight, self.device)
+        return copy if torch.compiler.is_compiling() else copy.as_subclass(DeviceCopy)
 
 
 @dataclasses.dataclass(frozen=True)

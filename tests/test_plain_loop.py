@@ -13,6 +13,7 @@ from helpers import CPU_TEST_OPTIONS
 from storm_compile import StormOverlapError, overlap_optimizer, storm, streaming
 from storm_compile.cycles import STABLE_CYCLES
 from storm_compile.runtime import get_runtime
+from storm_compile.streaming import StormWriteError
 from test_streaming import MICRO_BATCHES, _budget_with_room, _pair
 
 STEPS = STABLE_CYCLES + 2
@@ -292,3 +293,25 @@ def test_a_post_accumulate_grad_hook_sees_the_whole_gradient():
     assert len(seen) == len(_streamed(model))
     for name, grad in seen.items():
         torch.testing.assert_close(grad, expected[name])
+
+
+WEIGHT_WRITES = {
+    "data": lambda w: w.data,
+    "data-assigned": lambda w: setattr(w, "data", torch.zeros_like(w)),
+    "in-place": lambda w: w.add_(1.0),
+    "nn.init": torch.nn.init.normal_,
+    "requires_grad_": lambda w: w.requires_grad_(False),
+}
+"""Writes into ``module.weight`` of a streamed parameter (a device copy), each a lost write."""
+
+
+@pytest.mark.parametrize("write", WEIGHT_WRITES)
+def test_a_write_into_a_streamed_modules_weight_is_an_error(write):
+    _, model, _ = _pair()
+    layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear)
+                 and getattr(m.parametrizations.weight.original, "storm_streamed", False))
+    before = layer.parametrizations.weight.original.detach().clone()
+    with torch.no_grad(), pytest.raises(StormWriteError, match="parametrizations.weight.original"):
+        WEIGHT_WRITES[write](layer.weight)
+    torch.testing.assert_close(layer.parametrizations.weight.original.detach(), before)
+    assert type(layer.weight.sum()) is torch.Tensor, "ops read the copy as a plain tensor"

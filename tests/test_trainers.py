@@ -23,7 +23,7 @@ from storm_compile import storm
 from storm_compile.host_residency import HostResidentParametrizationList
 from storm_compile.models import LLAMA_PRESETS, Llama, build_llama
 from storm_compile.runtime import get_runtime
-from storm_compile.streaming import stream_parameters
+from storm_compile.streaming import StormWriteError, stream_parameters
 
 SHAPE = LLAMA_PRESETS["tiny"]
 RESIDENT_BYTES = 4096
@@ -461,6 +461,16 @@ def test_peft_lora_on_a_streamed_base_matches_the_reference(tmp_path):
     saved, expected_saved = (safetensors.load_file(str(tmp_path / d / "adapter_model.safetensors"))
                              for d in ("storm", "reference"))
     _assert_same_state(saved, expected_saved)
+
+
+def test_peft_merge_into_a_streamed_base_is_an_error():
+    """peft merges an adapter into ``base_layer.weight``, which for a streamed weight is a
+    device copy made for that read: storm refuses the write rather than lose it."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="gaussian")
+    model = peft.get_peft_model(_hf_llama(stream=True), config)
+    with pytest.raises(StormWriteError, match="write into the host parameter"):
+        model.merge_and_unload()
 
 
 # --- the example -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from storm_compile import ops
@@ -132,7 +133,7 @@ class DeviceCopy(torch.Tensor):
 
 class _Fetch(nn.Module):
     """The parametrization of a streamed parameter: its device copy (a :class:`DeviceCopy`
-    outside a compiled graph)."""
+    where it is a real tensor read outside a compile or a trace)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -140,7 +141,9 @@ class _Fetch(nn.Module):
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         copy = torch.ops.storm.fetch_weight(weight, self.device)
-        return copy if torch.compiler.is_compiling() else copy.as_subclass(DeviceCopy)
+        traced = torch.compiler.is_compiling() or is_in_torch_dispatch_mode() \
+            or type(copy) is not torch.Tensor
+        return copy if traced else copy.as_subclass(DeviceCopy)
 
 
 @dataclasses.dataclass(frozen=True)

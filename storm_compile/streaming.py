@@ -140,10 +140,45 @@ class _Fetch(nn.Module):
         self.device = device
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        copy = torch.ops.storm.fetch_weight(weight, self.device)
-        traced = torch.compiler.is_compiling() or is_in_torch_dispatch_mode() \
-            or type(copy) is not torch.Tensor
-        return copy if traced else copy.as_subclass(DeviceCopy)
+        return _fetch(weight, self.device)
+
+
+def _fetch(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``weight``'s copy on ``device`` (a :class:`DeviceCopy` where it is a real tensor read
+    outside a compile or a trace)."""
+    copy = torch.ops.storm.fetch_weight(weight, device)
+    traced = torch.compiler.is_compiling() or is_in_torch_dispatch_mode() \
+        or type(copy) is not torch.Tensor
+    return copy if traced else copy.as_subclass(DeviceCopy)
+
+
+_READS = "_storm_reads"
+"""The instance attribute (a dict: name -> (parametrization list, ``_Fetch``)) a streamed
+weight's getter reads; in the instance's ``__dict__``, so a deep copy reads its own copies."""
+
+
+def _read_streamed(module: nn.Module, name: str) -> None:
+    """Make ``module.<name>`` fetch its weight without calling modules, where storm's
+    ``_Fetch`` is its only parametrization.
+
+    Torch's getter calls the parametrization list and then ``_Fetch``; Dynamo inlines both at
+    every read of every streamed weight, at every process start (a warm start included). This
+    getter reads the list and ``_Fetch`` from the module's ``__dict__`` and calls
+    ``storm.fetch_weight`` itself, which traces at a fraction of that cost. It keeps torch's
+    setter; a parametrization stacked on the weight later is applied through the list's call."""
+    torch_property = getattr(type(module), name)
+    chain = module.parametrizations[name]
+    module.__dict__.setdefault(_READS, {})[name] = (chain, chain[0])
+
+    def read(owner: nn.Module) -> torch.Tensor:
+        chain, fetch = owner.__dict__[_READS][name]
+        if len(chain) != 1:
+            return chain()
+        if torch.compiler.is_compiling():
+            return torch.ops.storm.fetch_weight(chain.original, fetch.device)
+        return _fetch(chain.original, fetch.device)
+
+    setattr(type(module), name, property(read, torch_property.fset))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +278,7 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
     for module, names in owners.items():
         for name in names:
             parametrize.register_parametrization(module, name, _Fetch(device), unsafe=True)
+            _read_streamed(module, name)
             keep_on_host(module, name)
         _register_state_dict_names(module, tuple(names))
     return Streamed(names=tuple(n for n, _ in streamed), host_bytes=host_bytes,

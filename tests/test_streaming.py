@@ -844,3 +844,42 @@ def test_host_rates_are_measured_on_this_host():
     rates = host_rates(nbytes=1 << 20, repeats=1)
     assert set(rates) == {"host_add_bandwidth", "host_adamw_bandwidth"}
     assert all(0 < rate < float("inf") for rate in rates.values())
+
+
+class _Twice(torch.nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+def test_a_streamed_weight_is_read_without_calling_its_parametrizations(monkeypatch):
+    model, _ = build_llama(SHAPE, "cpu")
+    reference = copy.deepcopy(model)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    calls = []
+    monkeypatch.setattr(streaming._Fetch, "forward", lambda self, w: calls.append(w))
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+    assert calls == []
+
+
+def test_a_deep_copy_of_a_streamed_model_reads_its_own_weights():
+    model, _ = build_llama(SHAPE, "cpu")
+    reference = copy.deepcopy(model)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    duplicate = copy.deepcopy(model)
+    with torch.no_grad():
+        duplicate.lm_head.parametrizations.weight.original.mul_(2)
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+    assert torch.equal(duplicate.lm_head.weight, 2 * reference.lm_head.weight)
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+def test_a_parametrization_stacked_on_a_streamed_weight_still_applies(backend):
+    model, inputs = build_llama(SHAPE, "cpu")
+    reference = copy.deepcopy(model)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    torch.nn.utils.parametrize.register_parametrization(model.lm_head, "weight", _Twice(),
+                                                        unsafe=True)
+    with torch.no_grad():
+        reference.lm_head.weight.mul_(2)
+    run = model if backend is None else torch.compile(model, backend=backend)
+    torch.testing.assert_close(run(*inputs), reference(*inputs))

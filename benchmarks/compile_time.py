@@ -16,7 +16,9 @@ Models: ``gpt-L<n>``: the built-in gpt with n blocks; ``llama-<preset>``: a Llam
 differentiated; ``llama-<preset>-streamed``: the same with its parameters streamed from host
 memory (:func:`~storm_compile.streaming.stream_parameters`), storm under the preset's byte
 budget (:data:`STREAMED_BUDGETS`). Inductor cannot stream: its row of a streamed model is the
-same model resident on the GPU, the compile storm's stands beside.
+same model resident on the GPU, the compile storm's stands beside (measured once where the run
+also lists the unstreamed model). ``--profile`` writes where each child's first step spent its
+host time.
 
     python -m benchmarks.compile_time --out DIR                         # cuda: gpt-L8, gpt-L32
     python -m benchmarks.compile_time --models llama-3b-streamed,llama-8b-streamed --out DIR
@@ -32,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import json
 import logging
 import os
 import platform
+import pstats
 import re
 import statistics
 import subprocess
@@ -74,6 +78,9 @@ STDERR_MARKERS = ("Traceback", "Failed to pickle")
 """Lines of a child's stderr that show an error was logged (a cache write that failed)."""
 WARNING_RE = re.compile(r"^(\[rank\d+\]:)?W\d{4} |Warning: |WARNING")
 """A warning line: torch's log format (``W0930 12:00:00.0 ...``), ``warnings.warn`` or logging."""
+PROFILE_LINES = 60
+"""Functions of a profiled first step written out (``--profile``): its callers down to the
+passes, Dynamo's tracing and Inductor's phases."""
 CACHE_COUNTERS = {
     "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
     "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
@@ -139,8 +146,9 @@ def _build(model_name: str, device: str, streamed_on: bool):
     return model, inputs, lambda out: out, options
 
 
-def child(backend_name: str, model_name: str, device: str) -> dict:
-    """Time the first compiled fw+bw step and the steady steps after it, in this process."""
+def child(backend_name: str, model_name: str, device: str, profile: Path | None = None) -> dict:
+    """Time the first compiled fw+bw step and the steady steps after it, in this process; with
+    ``profile``, write there where the first step's host time went (cProfile, cumulative)."""
     dev = _Device(device)
     torch.manual_seed(0)
     model, inputs, loss_of, options = _build(model_name, device, backend_name == "storm")
@@ -156,8 +164,13 @@ def child(backend_name: str, model_name: str, device: str) -> dict:
         return time.perf_counter() - begin
 
     dev.sync()
-    with _bypass_reasons() as reasons:
+    profiler = cProfile.Profile() if profile else contextlib.nullcontext()
+    with _bypass_reasons() as reasons, profiler:
         first_s = step()
+    if profile:
+        with profile.open("w") as stream:
+            pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(
+                PROFILE_LINES)
     steady_s = statistics.median(step() for _ in range(STEADY_STEPS))
     result = {"first_step_s": first_s, "steady_step_s": steady_s,
               "compile_s": first_s - steady_s, "backend_setup_s": setup_s,
@@ -174,11 +187,14 @@ def error_line(error: BaseException) -> str:
     return f"{type(cause).__name__}: {first_line}"
 
 
-def _run_child(backend: str, model: str, device: str, cache: Path, stderr_path: Path) -> dict:
+def _run_child(backend: str, model: str, device: str, cache: Path, stderr_path: Path,
+               profile: Path | None) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton")}
     command = [sys.executable, "-m", "benchmarks.compile_time", "--child", "--backend", backend,
                "--models", model, "--device", device]
+    if profile:
+        command += ["--profile-to", str(profile)]
     begin = time.perf_counter()
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True,
@@ -198,17 +214,33 @@ def _run_child(backend: str, model: str, device: str, cache: Path, stderr_path: 
     return {**row, **json.loads(json_lines[-1])}
 
 
-def measure(backend: str, model: str, device: str, out_dir: Path) -> dict:
-    """Cold then warm first-step times of one backend and model, in two fresh processes."""
+def measure(backend: str, model: str, device: str, out_dir: Path, profile: bool) -> dict:
+    """Cold then warm first-step times of one backend and model, in two fresh processes; with
+    ``profile``, each child's first step profiled into ``profile_<model>_<backend>_<phase>.txt``
+    (the profiler's own overhead then inflates that child's times)."""
     row = {"model": model, "backend": backend}
     with tempfile.TemporaryDirectory(prefix="storm-compile-time-") as cache:
         for phase in ("cold", "warm"):
             stderr_path = out_dir / f"stderr_{row['model']}_{backend}_{phase}.txt"
-            row[phase] = _run_child(backend, model, device, Path(cache), stderr_path)
+            profile_path = out_dir / f"profile_{model}_{backend}_{phase}.txt" if profile else None
+            row[phase] = _run_child(backend, model, device, Path(cache), stderr_path,
+                                    profile_path)
             print(f"[{row['model']}] {backend} {phase}: "
                   f"{row[phase].get('error') or '%.1f s' % row[phase]['first_step_s']}",
                   flush=True)
     return row
+
+
+def _reused(rows: list[dict], backend: str, model: str) -> dict | None:
+    """Inductor's row of a streamed model, where the run measured its unstreamed model: the
+    same compile (Inductor cannot stream), measured once."""
+    unstreamed = model.removesuffix("-streamed")
+    if backend != "inductor" or unstreamed == model:
+        return None
+    for row in rows:
+        if row["model"] == unstreamed and row["backend"] == "inductor":
+            return {**row, "model": model}
+    return None
 
 
 def _seconds(row: dict | None, phase: str) -> float | None:
@@ -275,7 +307,10 @@ def _parse(argv):
                              "llama-<preset>-streamed")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, default=Path("bench-out/compile-time"))
+    parser.add_argument("--profile", action="store_true",
+                        help="profile each child's first step (profile_*.txt); slows it")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-to", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
@@ -294,7 +329,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     if args.child:
         try:
-            result = child(args.backend, args.models[0], args.device)
+            result = child(args.backend, args.models[0], args.device, args.profile_to)
         except Exception as error:  # reported in the parent's row; the run goes on
             print(json.dumps({"error": error_line(error)}), flush=True)
             return 1
@@ -313,7 +348,8 @@ def main(argv=None) -> int:
     rows = []
     for model in args.models:
         for backend in BACKENDS:
-            rows.append(measure(backend, model, args.device, args.out))
+            rows.append(_reused(rows, backend, model)
+                        or measure(backend, model, args.device, args.out, args.profile))
             table = write(args.out, {"environment": environment, "rows": rows}, markdown(rows))
     print(table)
     return 0

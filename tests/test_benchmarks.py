@@ -303,3 +303,48 @@ def test_optimizer_smoke_runs_both_updates_to_the_same_weights(tmp_path):
     assert all(r["step_ms"] > 0 for r in results["rows"])
     assert results["max_param_diff"] == 0.0
     assert results["chunk_params"] < results["params"], "the streamed update runs in chunks"
+
+
+def test_trainer_smoke_measures_every_variant_of_both_parts(tmp_path):
+    """Every variant of the Trainer and the LoRA step on the CPU: finite step times and losses,
+    storm's losses those of its reference; ``gc-offload``, whose pinned memory needs an
+    accelerator, is skipped with its reason."""
+    import math
+
+    for package in ("transformers", "peft", "accelerate"):
+        pytest.importorskip(package)
+    from benchmarks import trainer
+
+    assert trainer.main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {r["variant"]: r for r in results["trainer"]["rows"]}
+    assert list(rows) == [v.name for v in trainer.VARIANTS]
+    assert [r for r in rows.values() if "error" in r] == []
+    offload = next(v for v in trainer.VARIANTS if v.name == "gc-offload")
+    assert "step_ms" not in rows["gc-offload"], "skipped on the CPU"
+    assert rows["gc-offload"]["note"].startswith(offload.note + "; "), "with the reason"
+    ran = [r for name, r in rows.items() if name != "gc-offload"]
+    assert all(math.isfinite(r["step_ms"]) and r["step_ms"] > 0 for r in ran)
+    assert all(len(r["losses"]) == r["steps"] and all(map(math.isfinite, r["losses"]))
+               for r in ran)
+    for name, row in rows.items():
+        if name.startswith("storm"):
+            reference = rows[trainer.REFERENCES[name]]
+            assert trainer.max_loss_difference(row, reference) < 1e-4, name
+    steps = results["lora_step"]["rows"]
+    assert [r["variant"] for r in steps] == [v.name for v in trainer.STEP_VARIANTS]
+    assert all(math.isfinite(r["median_ms"]) and r["median_ms"] > 0 for r in steps)
+    table = (tmp_path / "results.md").read_text()
+    assert "| storm-streamed-lora " in table and "| inductor-amb-0.5 " in table
+
+
+def test_compile_time_measures_inductor_once_for_a_model_and_its_streamed_twin():
+    from benchmarks import compile_time
+
+    measured = {"model": "llama-tiny", "backend": "inductor", "cold": {"first_step_s": 1.0}}
+    rows = [measured]
+    assert compile_time._reused(rows, "inductor", "llama-tiny-streamed") == {
+        **measured, "model": "llama-tiny-streamed"}
+    assert compile_time._reused(rows, "storm", "llama-tiny-streamed") is None
+    assert compile_time._reused(rows, "inductor", "llama-3b-streamed") is None
+    assert compile_time._reused(rows, "inductor", "llama-tiny") is None

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from storm_compile import ops
 from storm_compile.cycles import OVERLAPPABLE, step_parameter
 from storm_compile.host_residency import keep_on_host
-from storm_compile.runtime import _TENSOR_GRAD, get_runtime
+from storm_compile.runtime import _TENSOR_GRAD, get_runtime, pin_quickly
 from storm_compile.vocabulary import GIB, MIB, RECOMPUTE_TAG, tensor_bytes
 
 DEFAULT_RESIDENT_BYTES = 1 * MIB
@@ -267,6 +267,8 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
             f"{needed} bytes ({needed / GIB:.2f} GiB) of host memory; {available} bytes "
             f"({available / GIB:.2f} GiB) are available")
     pin = torch.cuda.is_available()
+    if pin:
+        pin_quickly()
     for param in unique.values():
         host = param.data.to("cpu")
         param.data = host.pin_memory() if pin else host

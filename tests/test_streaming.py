@@ -883,3 +883,39 @@ def test_a_parametrization_stacked_on_a_streamed_weight_still_applies(backend):
         reference.lm_head.weight.mul_(2)
     run = model if backend is None else torch.compile(model, backend=backend)
     torch.testing.assert_close(run(*inputs), reference(*inputs))
+
+
+@pytest.fixture
+def pinning(monkeypatch):
+    """``runtime.pin_quickly`` on a pretend CUDA host, recording the allocator settings set."""
+    from storm_compile import runtime
+
+    settings = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append,
+                        raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    runtime.pin_quickly.cache_clear()
+    yield runtime, settings
+    runtime.pin_quickly.cache_clear()
+
+
+def test_storm_pins_through_host_register_on_threads_once(pinning, monkeypatch):
+    runtime, settings = pinning
+    monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", lambda: {"num_host_alloc": 0})
+    assert runtime.pin_quickly() and runtime.pin_quickly()
+    assert settings == [f"pinned_use_cuda_host_register:True,"
+                        f"pinned_num_register_threads:{runtime.PINNING_THREADS}"]
+
+
+@pytest.mark.parametrize("configured, pinned_blocks", [
+    ("pinned_use_background_threads:True", 0), ("expandable_segments:True", 2),
+    ("", None)], ids=["user-chose", "already-pinned", "no-stats"])
+def test_storm_leaves_pinning_alone_where_switching_is_not_safe_or_not_its_call(
+        pinning, monkeypatch, configured, pinned_blocks):
+    runtime, settings = pinning
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", configured)
+    stats = {} if pinned_blocks is None else {"num_host_alloc": pinned_blocks}
+    monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", lambda: stats)
+    assert not runtime.pin_quickly()
+    assert settings == []

@@ -79,14 +79,14 @@ def pin_quickly() -> bool:
     threads through ``cudaHostRegister``. Not where CUDA is absent, ``PYTORCH_CUDA_ALLOC_CONF``
     sets an option about pinned memory, this torch cannot set it or count pinned blocks, or
     the process has pinned memory already: some torch versions free a pinned block the way the
-    setting says at the time, so a block pinned the other way must never exist. Whether it
-    switched."""
+    setting says at the time, so a block pinned the other way must never exist. (Torch reports
+    no host statistics at all before its pinned allocator exists.) Whether it switched."""
     configured = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
         or getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
     stats = getattr(torch.cuda.memory, "host_memory_stats", None)
     if not torch.cuda.is_available() or PINNED_OPTIONS in configured or setter is None \
-            or stats is None or stats().get("num_host_alloc", 1) != 0:
+            or stats is None or stats().get("num_host_alloc", 0) != 0:
         return False
     setter(f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{PINNING_THREADS}")
     log.debug("pinning through cudaHostRegister on %d threads", PINNING_THREADS)

@@ -904,6 +904,10 @@ def test_storm_pins_through_host_register_on_threads_once(pinning, monkeypatch):
     runtime, settings = pinning
     monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", lambda: {"num_host_alloc": 0})
     assert runtime.pin_quickly() and runtime.pin_quickly()
+    runtime.pin_quickly.cache_clear()
+    monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", dict)  # no allocator yet
+    assert runtime.pin_quickly()
+    settings.pop()
     assert settings == [f"pinned_use_cuda_host_register:True,"
                         f"pinned_num_register_threads:{runtime.PINNING_THREADS}"]
 
@@ -915,7 +919,7 @@ def test_storm_leaves_pinning_alone_where_switching_is_not_safe_or_not_its_call(
         pinning, monkeypatch, configured, pinned_blocks):
     runtime, settings = pinning
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", configured)
-    stats = {} if pinned_blocks is None else {"num_host_alloc": pinned_blocks}
-    monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", lambda: stats)
+    stats = None if pinned_blocks is None else (lambda: {"num_host_alloc": pinned_blocks})
+    monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", stats)
     assert not runtime.pin_quickly()
     assert settings == []

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import json
@@ -49,7 +50,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -649,17 +650,24 @@ def _section(measure: Callable[[], list[dict]]) -> list[dict]:
         return [{"error": error_line(error)}]
 
 
+@contextlib.contextmanager
+def smoke_threads(smoke: bool) -> Iterator[None]:
+    """:data:`SMOKE_THREADS` intra-op threads inside, for a ``--smoke`` run; restored after."""
+    threads = torch.get_num_threads()
+    if smoke:
+        torch.set_num_threads(SMOKE_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     if cuda_missing("step_overhead", args.smoke):
         return EXIT_NO_CUDA
-    threads = torch.get_num_threads()
-    if args.smoke:
-        torch.set_num_threads(SMOKE_THREADS)
-    try:
+    with smoke_threads(args.smoke):
         _run(args)
-    finally:
-        torch.set_num_threads(threads)
     return 0
 
 

@@ -82,7 +82,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallbac
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _ratio
 from benchmarks.compile_time import cuda_missing, error_line, write
-from benchmarks.step_overhead import SMOKE_THREADS, _paired_ratio, timed_rounds
+from benchmarks.step_overhead import _paired_ratio, smoke_threads, timed_rounds
 from benchmarks.streaming import ALLOCATOR, SMOKE_RESIDENT_BYTES
 from storm_compile import storm
 from storm_compile.streaming import DEFAULT_RESIDENT_BYTES, stream_parameters
@@ -678,13 +678,8 @@ def main(argv=None) -> int:
     os.environ.setdefault(*ALLOCATOR)
     if cuda_missing("trainer", args.smoke):
         return EXIT_NO_CUDA
-    threads = torch.get_num_threads()
-    if args.smoke:
-        torch.set_num_threads(SMOKE_THREADS)
-    try:
+    with smoke_threads(args.smoke):
         _run(args)
-    finally:
-        torch.set_num_threads(threads)
     return 0
 
 

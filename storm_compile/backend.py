@@ -260,7 +260,7 @@ class StormBackend:
             "(torch._dynamo.config.optimize_ddp); a graph's offloads must finish within its own "
             "forward, so the memory budget is met mostly by recomputation. For one graph, set "
             "torch._dynamo.config.optimize_ddp = 'python_reducer' and "
-            "torch._dynamo.config.compiled_autograd = True (README: Many GPUs)",
+            "torch._dynamo.config.compiled_autograd = True (docs/distributed.md)",
             RuntimeWarning, stacklevel=2)
 
 

@@ -38,3 +38,24 @@ def test_no_import_loop():
             graph.add_edge(module, imported)
     assert graph.number_of_edges() > len(files), "the import picture was not read"
     assert list(nx.simple_cycles(graph)) == []
+
+
+def test_the_readmes_quickstart_example_trains():
+    """``python examples/quickstart.py``, as the README gives it: three steps, losses that
+    fall."""
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                          timeout=600, check=True)
+    losses = [float(line.split()[-1]) for line in done.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_every_doc_the_readme_lists_exists():
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    listed = {line.split("`")[1] for line in readme.splitlines() if line.startswith("- `docs/")}
+    assert listed == {f"docs/{p.name}" for p in (root / "docs").glob("*.md")}

@@ -201,7 +201,7 @@ def test_zoo_memory_failing_method_is_reported_and_run_continues(tmp_path, monke
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 @pytest.mark.parametrize("module", ["zoo_memory", "training_loop", "compile_time",
-                                    "step_overhead"])
+                                    "step_overhead", "pinning"])
 def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
     import importlib
 

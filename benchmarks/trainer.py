@@ -23,7 +23,10 @@ A. ``transformers.Trainer`` trains a ``LlamaForCausalLM`` built from a config wi
    Per variant: each optimizer step's wall time (forward, backward, clipping, optimizer step),
    from a ``TrainerCallback``'s ``on_step_begin`` to its ``on_step_end``, synchronised at both;
    the median after the warm-up steps (:data:`WARMUP`); the first step's seconds (the compile);
-   peak allocated and reserved device memory over the steps after the warm-up; every step's
+   peak allocated and reserved device memory over the steps after the warm-up, the allocated
+   peak also per phase of the step (:data:`PHASES`), and the most allocated as a step begins;
+   with ``--peak-history``, what is live at the peak of the variant's last step (the allocator's
+   recorded history, grouped by the frames that allocated it); every step's
    loss from the Trainer's log history; the graphs Dynamo compiled and its graph breaks.
    ``inductor`` and ``storm`` run ``--loss-steps`` steps, the others ``--steps``. Derived: step
    and peak × ``inductor``; for storm rows the largest |Δloss| against their reference
@@ -58,10 +61,12 @@ variant, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import gc
 import inspect
+import linecache
 import os
 import platform
 import statistics
@@ -128,7 +133,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """Every projection of a Llama block, as LoRA recipes commonly adapt them."""
 LORA_RANK = 16
 LORA_ALPHA = 32
-STORM_BUDGETS = (0.5, 0.3, 0.15, 0.05)
+STORM_BUDGETS = (0.7, 0.5, 0.3, 0.15, 0.05)
 """storm's ``memory_budget`` fractions in part A, falling: the sweep the summary reads."""
 STREAMED_LORA_BUDGET = 0.5
 """storm's budget of the streamed LoRA row: a fraction bounds activations only and keeps no
@@ -145,6 +150,19 @@ WARMUP = 3
 """Steps before timing: the first compiles, the next ones settle the allocator and make the
 optimizer's state."""
 LORA_STEP_ROUNDS = 30
+PHASES = ("forward-backward", "optimizer")
+"""The phases of a Trainer step whose peaks are taken apart: up to ``on_pre_optimizer_step``
+(forward, backward, clipping), then the optimizer step and ``zero_grad``."""
+HISTORY_ENTRIES = 1_000_000
+"""Allocator events recorded for ``--peak-history``: one step of a 1B model makes some 10^4."""
+TORCH_FRAMES = ("/torch/", "<frozen ")
+"""Frames :func:`owner` passes over: torch's own code says less of who allocated a block than
+the generated kernel or the model line that called it."""
+OWNER_FRAMES = 2
+OWNER_TEXT = 90
+"""Characters of a frame's source line :func:`owner` keeps (a buffer's allocation with its
+shape fits)."""
+OWNER_ROWS = 12
 SMOKE_COUNTS = {"steps": 3, "loss_steps": 3, "warmup": 1, "rounds": 3}
 """``--smoke``: enough steps to time one after the warm-up."""
 SMOKE_COMPILER = "aot_eager_decomp_partition"
@@ -233,6 +251,7 @@ class Run:
     warmup: int
     rounds: int
     out: Path
+    history: tuple[str, ...] = ()
 
     @property
     def device(self) -> str:
@@ -286,24 +305,94 @@ def parameter_count(model: nn.Module) -> int:
 # --- part A: the Trainer -----------------------------------------------------------------------
 
 class StepTimer(TrainerCallback):
-    """Milliseconds of each optimizer step, synchronised at both ends; the device's peak
-    statistics are reset before step ``warmup``, so the peaks read after training are those of
-    the steps after it."""
+    """Milliseconds of each optimizer step, synchronised at both ends, and, over the steps from
+    ``warmup`` on, the device's peak in each :data:`PHASES` of a step (the peak statistics are
+    reset where a phase begins) and the most allocated when a step begins (weights, gradients,
+    optimizer state). With ``history``, the allocator records the last step (``last``) and
+    :attr:`owners` is :func:`peak_owners` of it."""
 
-    def __init__(self, dev: _Device, warmup: int) -> None:
-        self.dev, self.warmup = dev, warmup
+    def __init__(self, dev: _Device, warmup: int, last: int, history: bool) -> None:
+        self.dev, self.warmup, self.last, self.history = dev, warmup, last, history
         self.ms: list[float] = []
         self.begin = 0.0
+        self.peaks = dict.fromkeys(PHASES, 0)
+        self.step_begin = 0
+        self.before = 0
+        self.owners: dict | None = None
+        self.timing = self.recording = False
+
+    def _phase(self, phase: str) -> None:
+        if self.timing:
+            self.peaks[phase] = max(self.peaks[phase], self.dev.peak())
+            self.dev.reset_peak()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.dev.sync()
-        if state.global_step == self.warmup:
+        self.timing = self.dev.cuda and state.global_step >= self.warmup
+        self.recording = self.timing and self.history and state.global_step == self.last
+        if self.timing:
             self.dev.reset_peak()
+            self.step_begin = max(self.step_begin, self.dev.allocated())
+        if self.recording:
+            self.before = self.dev.allocated()
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
         self.begin = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.dev.sync()
+        self._phase(PHASES[0])
 
     def on_step_end(self, args, state, control, **kwargs):
         self.dev.sync()
         self.ms.append((time.perf_counter() - self.begin) * MS)
+        self._phase(PHASES[1])
+        if self.recording:
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            self.owners = peak_owners(trace, self.before)
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def peak(self) -> int | None:
+        return max(self.peaks.values()) if self.dev.cuda else None
+
+
+def owner(frames: list[dict]) -> str:
+    """Who allocated a block: the first two frames outside torch (generated Inductor code,
+    storm, transformers, the Trainer), each with its source line where it can be read."""
+    kept = [f for f in frames if not any(part in f["filename"] for part in TORCH_FRAMES)]
+    return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}"
+                      f" `{linecache.getline(f['filename'], f['line']).strip()[:OWNER_TEXT]}`"
+                      for f in kept[:OWNER_FRAMES]) or "torch"
+
+
+def peak_owners(trace: list[dict], before: int) -> dict:
+    """Where a recorded step's device peak lies, from the allocator's ``trace`` of it (the
+    events of ``torch.cuda.memory._snapshot()["device_traces"]``) and the bytes allocated when
+    it began: the bytes allocated at the peak, the frames of the allocation that reached it, and
+    the blocks live there grouped by :func:`owner` (largest first, :data:`OWNER_ROWS` of them;
+    what was allocated before the step and is still live there is one row)."""
+    current = peak = before
+    peak_index = -1
+    for index, entry in enumerate(trace):
+        if entry["action"] == "alloc":
+            current += entry["size"]
+            if current > peak:
+                peak, peak_index = current, index
+        elif entry["action"] == "free_completed":
+            current -= entry["size"]
+    live: dict[int, dict] = {}
+    for entry in trace[:peak_index + 1]:
+        if entry["action"] == "alloc":
+            live[entry["addr"]] = entry
+        elif entry["action"] == "free_completed":
+            live.pop(entry["addr"], None)
+    groups: dict[str, int] = collections.Counter()
+    for entry in live.values():
+        groups[owner(entry["frames"])] += entry["size"]
+    groups["allocated before the step, still live"] = peak - sum(groups.values())
+    return {"peak_gib": peak / GIB, "before_gib": before / GIB,
+            "reached_by": owner(trace[peak_index]["frames"]) if peak_index >= 0 else "",
+            "owners": [{"gib": size / GIB, "owner": name}
+                       for name, size in groups.most_common(OWNER_ROWS)]}
 
 
 def offload_available() -> bool:
@@ -348,7 +437,8 @@ def train(variant: Variant, run: Run, steps: int, compiled: bool) -> dict:
         model.compile(backend=run.backend(variant.backend, variant.budget))
     sizes = run.sizes["trainer"]
     warmup = min(run.warmup, steps - 1)
-    timer = StepTimer(run.dev, warmup)
+    timer = StepTimer(run.dev, warmup, last=steps - 1,
+                      history=variant.name in run.history and run.dev.cuda)
     args = TrainingArguments(
         output_dir=str(run.out / "trainer-output"), max_steps=steps,
         per_device_train_batch_size=sizes.batch, logging_steps=1, report_to=[],
@@ -362,7 +452,10 @@ def train(variant: Variant, run: Run, steps: int, compiled: bool) -> dict:
             "parameters": parameter_count(model),
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
             "step_ms": statistics.median(timer.ms[warmup:]), "first_step_s": timer.ms[0] / MS,
-            "peak_gib": gib(run.dev.peak()),
+            "peak_gib": gib(timer.peak()),
+            "phase_peaks_gib": {phase: gib(peak) for phase, peak in timer.peaks.items()}
+            if run.dev.cuda else None, "step_begin_gib": gib(timer.step_begin or None),
+            "peak_owners": timer.owners,
             "reserved_gib": gib(torch.cuda.max_memory_reserved() if run.dev.cuda else None),
             "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
             "times_ms": timer.ms, "graphs": counters["stats"]["unique_graphs"],
@@ -528,7 +621,8 @@ def trainer_table(rows: list[dict]) -> str:
             "step ×": _ratio(r["step_ms"], ref.get("step_ms")),
             "1st s": r["first_step_s"], "peak GiB": r["peak_gib"],
             "peak ×": _ratio(r["peak_gib"], ref.get("peak_gib")),
-            "resv GiB": r["reserved_gib"],
+            **{f"{phase} GiB": (r.get("phase_peaks_gib") or {}).get(phase) for phase in PHASES},
+            "step begins GiB": r.get("step_begin_gib"), "resv GiB": r["reserved_gib"],
             "max Δloss": max_loss_difference(r, measured.get(REFERENCES[r["variant"]], {}))
             if r["variant"].startswith("storm") else None})
     return table(lines) + "\n" + "\n".join(wrapped(note(r)) for r in rows) + "\n"
@@ -593,7 +687,17 @@ def trainer_section(part: dict, env: dict) -> str:
                 f"optimizer state, activations) over the same steps; ×: against inductor; "
                 f"max Δloss: largest |Δloss| of a storm row against inductor (inductor-lora for "
                 f"the LoRA row) over the steps both ran.") + "\n",
-        trainer_table(part["rows"]), "Summary:\n", summary_lines(part["summary"])])
+        trainer_table(part["rows"]), "Summary:\n", summary_lines(part["summary"]),
+        *(owners_section(r) for r in part["rows"] if r.get("peak_owners"))])
+
+
+def owners_section(row: dict) -> str:
+    owners = row["peak_owners"]
+    return "\n".join([
+        f"### What is live at {row['variant']}'s peak (its last step)\n",
+        wrapped(f"{owners['peak_gib']:.2f} GiB at the peak, {owners['before_gib']:.2f} GiB when "
+                f"the step began; reached by {owners['reached_by']}") + "\n",
+        table(owners["owners"])])
 
 
 def lora_step_section(part: dict) -> str:
@@ -641,12 +745,16 @@ def _parse(argv):
     parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--rounds", type=int, default=LORA_STEP_ROUNDS,
                         help="part B's timed rounds")
+    parser.add_argument("--peak-history", default="",
+                        help="part A's variants whose last step runs under the allocator's "
+                             "recorded history, to list what is live at its peak")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, tiny sizes, fp32, a few steps: the harness itself")
     parser.add_argument("--out", type=Path, default=Path("bench-out/trainer"))
     args = parser.parse_args(argv)
     args.variants = _names(args.variants, trainer_names, "--variants", parser)
     args.lora_variants = _names(args.lora_variants, step_names, "--lora-variants", parser)
+    args.peak_history = tuple(_names(args.peak_history, trainer_names, "--peak-history", parser))
     if args.smoke:
         for name, value in SMOKE_COUNTS.items():
             setattr(args, name, value)
@@ -686,7 +794,7 @@ def main(argv=None) -> int:
 def _run(args) -> None:
     dev = _Device("cpu" if args.smoke else "cuda")
     run = Run(dev, SMOKE_SIZES if args.smoke else SIZES, args.steps, args.loss_steps,
-              args.warmup, args.rounds, args.out)
+              args.warmup, args.rounds, args.out, args.peak_history)
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = {part: dataclasses.asdict(s) for part, s in run.sizes.items()}
     results = {"environment": environment(run),

@@ -348,3 +348,32 @@ def test_compile_time_measures_inductor_once_for_a_model_and_its_streamed_twin()
     assert compile_time._reused(rows, "storm", "llama-tiny-streamed") is None
     assert compile_time._reused(rows, "inductor", "llama-3b-streamed") is None
     assert compile_time._reused(rows, "inductor", "llama-tiny") is None
+
+
+def test_trainer_peak_owners_names_what_is_live_at_the_peak(tmp_path):
+    """The peak of a recorded trace is where the most is allocated (a block freed before it is
+    not counted); its live blocks are grouped by the first frame outside torch, with the source
+    line; the bytes allocated before the step and live at the peak are one row."""
+    pytest.importorskip("transformers")
+    from benchmarks import trainer
+
+    kernel = tmp_path / "generated.py"
+    kernel.write_text("buf0 = empty((2, 2048, 128256))\nbuf1 = empty((8,))\n")
+
+    def frames(line):
+        return [{"filename": "/site-packages/torch/_ops.py", "line": 1, "name": "__call__"},
+                {"filename": str(kernel), "line": line, "name": "call"}]
+
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": frames(2)},
+             {"action": "alloc", "addr": 2, "size": 300, "frames": frames(1)},
+             {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+             {"action": "free_completed", "addr": 99, "size": 40, "frames": []},
+             {"action": "alloc", "addr": 3, "size": 120, "frames": frames(2)},
+             {"action": "free_completed", "addr": 2, "size": 300, "frames": []}]
+    result = trainer.peak_owners(trace, before=1000)
+    assert result["peak_gib"] * trainer.GIB == 1000 + 300 + 100
+    assert "buf0 = empty((2, 2048, 128256))" in result["reached_by"]
+    assert "_ops.py" not in result["reached_by"]
+    owners = {o["owner"]: round(o["gib"] * trainer.GIB) for o in result["owners"]}
+    assert owners == {trainer.owner(frames(1)): 300, trainer.owner(frames(2)): 100,
+                      "allocated before the step, still live": 1000}

@@ -23,10 +23,15 @@ The parser (:mod:`storm_compile.arguments`) imports no torch, so ``storm --help`
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
 from storm_compile.arguments import EXIT_USAGE, build_parser
+
+EXIT_BROKEN_PIPE = 141
+"""Exit status after the reader of standard output went away: 128 + SIGPIPE, as a shell
+reports a command a closed pipe stopped."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,6 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except commands.USER_ERRORS as error:
         print(f"storm: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader closed standard output (``storm schedule gpt --nodes | head``): stop
+        # quietly, as Unix tools do; stdout goes to the null device so that Python's flush at
+        # exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

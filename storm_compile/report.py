@@ -293,9 +293,33 @@ def pareto_points(summaries: list[dict[str, object]]) -> list[dict[str, object]]
     return points
 
 
+def _ms(value: float) -> str:
+    return f"{value:.2f}"
+
+
+PARETO_TEXT = (("budget_bytes", "budget", _size), ("predicted_step_ms", "step ms", _ms),
+               ("step_ratio", "× no storm", lambda v: f"{v:.3f}"),
+               ("activation_bytes", "activations", _size), ("peak_bytes", "peak", _size),
+               ("offloaded_bytes", "offloaded", _size),
+               ("recomputed_bytes", "recomputed", _size),
+               ("frontier", "frontier", lambda v: "yes" if v else ""))
+"""The columns of ``storm pareto``'s table: field, header, how a value reads (sizes once, in
+binary units; the JSON keeps every field's exact value)."""
+
+
 def format_pareto(points: list[dict[str, object]]) -> str:
-    rows = [[_readable(k, p[k]) for k in PARETO_COLUMNS] for p in points]
-    return tabulate(rows, headers=PARETO_COLUMNS, disable_numparse=True)
+    return _text_table(points, PARETO_TEXT)
+
+
+def _text_table(rows: list[dict[str, object]], columns) -> str:
+    """``rows`` as a table of right-aligned ``columns`` (field, header, how a value reads), two
+    spaces apart, the headers over a rule: numbers and sizes line up at their units."""
+    cells = [[header for _, header, _ in columns],
+             *([show(r[key]) for key, _, show in columns] for r in rows)]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
 
 
 THROUGHPUT_FIELDS = ("tokens", "micro_batches", "predicted_tokens_per_s", "optimizer_step_ms",
@@ -314,9 +338,20 @@ def throughput_row(summary: dict[str, object], step: StepPrediction) -> dict[str
             "host_wait_ms": step.host_wait_s * MS, "optimizer_ms": step.optimizer_s * MS}
 
 
+THROUGHPUT_TEXT = (("tokens", "tokens", str), ("micro_batches", "µbatches", str),
+                   ("predicted_tokens_per_s", "tokens/s", lambda v: f"{v:.0f}"),
+                   ("optimizer_step_ms", "step ms", _ms), ("micro_batch_ms", "µbatch ms", _ms),
+                   ("host_wait_ms", "wait ms", _ms), ("optimizer_ms", "optim ms", _ms),
+                   ("exposed_transfer_ms", "exposed ms", _ms),
+                   ("activation_bytes", "activations", _size), ("device_bytes", "device", _size),
+                   ("streamed_weight_bytes", "streamed", _size),
+                   ("resident_weight_bytes", "resident", _size))
+"""The columns of ``storm throughput``'s table, in the order of :data:`THROUGHPUT_FIELDS`:
+field, header, how a value reads."""
+
+
 def format_throughput(rows: list[dict[str, object]]) -> str:
-    table = [[_readable(k, r[k]) for k in THROUGHPUT_FIELDS] for r in rows]
-    return tabulate(table, headers=THROUGHPUT_FIELDS, disable_numparse=True)
+    return _text_table(rows, THROUGHPUT_TEXT)
 
 
 SVG_SIZE = (640, 420)

@@ -16,7 +16,7 @@ import torch
 import storm_compile
 from benchmarks.activation_memory import CONFIGS, QUICK_CONFIG
 from storm_compile import commands, ops
-from storm_compile.cli import EXIT_USAGE, main
+from storm_compile.cli import EXIT_BROKEN_PIPE, EXIT_USAGE, main
 from storm_compile.backend import StormBackend
 from storm_compile.config import GIB, StormConfig, StormOptionError
 from storm_compile.models import LLAMA_PRESETS, GPTShape, ModelSpecError
@@ -507,8 +507,27 @@ def test_pareto_table_json_and_plot(capsys, tmp_path):
     assert points[1]["activation_bytes"] <= points[1]["budget_bytes"] < points[0]["budget_bytes"]
     assert all(p["frontier"] for p in points)
     assert plot.read_text().startswith("<svg") and plot.read_text().count("<circle") == 2
-    assert main(["pareto", "gpt", *TINY_SHAPE, "--budgets", "0.5"]) == 0
-    assert "recomputed_bytes" in capsys.readouterr().out
+    assert main(["pareto", "gpt", *TINY_SHAPE, "--budgets", "1.0,0.5"]) == 0
+    header, rule, full, half = capsys.readouterr().out.splitlines()
+    assert header.split() == ["budget", "step", "ms", "×", "no", "storm", "activations", "peak",
+                              "offloaded", "recomputed", "frontier"]
+    assert set(rule) == {"-", " "}
+    assert full.split()[-5:] == ["0", "B", "0", "B", "yes"], "all kept: nothing moved"
+    assert half.split()[-5:] != full.split()[-5:]
+
+
+@pytest.mark.parametrize("argv", [
+    ["pareto", "llama", "--preset", "3b", "--layers", "2", "--budgets", "1.0,0.5"],
+    ["throughput", "llama", "--preset", "3b", "--layers", "2", "--stream", "--tokens",
+     "4096,16384", "--micro-batches", "1,16"],
+])
+def test_tables_fit_120_columns_with_sizes_in_binary_units(argv, capsys):
+    """``storm pareto`` and ``storm throughput`` print each size once, in binary units, in
+    lines of at most 120 columns (the JSON keeps the bytes)."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120
+    assert "GiB" in out and "(" not in out
 
 
 @pytest.mark.parametrize("budget, message", [
@@ -710,3 +729,15 @@ def test_throughput_bad_input_is_one_line(argv, message, factory_file, capsys):
     assert main(["throughput", *(a.format(factory=factory_file) for a in argv)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """``storm schedule --nodes | head``: the command stops with 128 + SIGPIPE and no
+    traceback when the reader closes the pipe."""
+    process = subprocess.Popen([sys.executable, "-m", "storm_compile.cli", "schedule", "gpt",
+                                "--layers", "2", "--nodes"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().startswith(b"graph")
+    process.stdout.close()
+    assert process.wait(timeout=300) == EXIT_BROKEN_PIPE
+    assert process.stderr.read() == b""

@@ -77,7 +77,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
 from storm_compile import ops
 from storm_compile.graphs import (
@@ -88,6 +87,7 @@ from storm_compile.graphs import (
     saved_values,
 )
 from storm_compile.plan import Action, GradSend, WeightFetch
+from storm_compile.torch_private import tree_leaves
 from storm_compile.vocabulary import node_order, view_chain, view_closure
 
 

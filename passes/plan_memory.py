@@ -69,6 +69,7 @@ from storm_compile.prediction import Prediction
 from storm_compile.simulate import simulate
 from storm_compile.step_budget import GraphShare, StormBudgetError
 from storm_compile.streaming import device_weights
+from storm_compile.torch_private import OpOverload
 from storm_compile.vocabulary import GIB, Lane, view_chain
 
 NO_BUDGET_SHARE = 0.5
@@ -122,7 +123,7 @@ def _recompute_chain(root: fx.Node, members: list[fx.Node], saved: set[fx.Node]
         node = stack.pop()
         if node.op != "call_function":
             continue
-        if isinstance(node.target, torch._ops.OpOverload) \
+        if isinstance(node.target, OpOverload) \
                 and torch.Tag.nondeterministic_seeded in node.target.tags:
             return (), f"its recompute chain draws random numbers ({node.name})"
         chain.append(node)

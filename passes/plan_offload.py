@@ -28,7 +28,6 @@ from collections.abc import Container
 
 import torch
 from torch import fx
-from torch._ops import HigherOrderOperator
 
 from storm_compile.graphs import (
     COST_KEY,
@@ -48,6 +47,7 @@ from storm_compile.plan import (
     Storage,
     StoragePlan,
 )
+from storm_compile.torch_private import HigherOrderOperator
 from storm_compile.vocabulary import (
     hint,
     is_dense,

@@ -17,15 +17,7 @@ from typing import Any
 from uuid import uuid4
 
 import torch
-import torch._inductor.config as inductor_config
-import torch._inductor.lowering as lowering
-import torch.utils._pytree as pytree
 from torch import fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.debugging import boxed_nop
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
-from torch._inductor.decomposition import select_decomp_table
 
 import storm_compile
 from storm_compile import ops, passes, plan_cache
@@ -37,6 +29,19 @@ from storm_compile.pin_transfers import inductor_patches
 from storm_compile.pipeline import storm_partition
 from storm_compile.ranks import rank_key
 from storm_compile.step_budget import GraphId, StepBudget
+from storm_compile.torch_private import (
+    CustomPartitionerFn,
+    aot_autograd,
+    boxed_nop,
+    compile_fx,
+    compile_fx_inner,
+    get_hash_for_files,
+    inductor_config,
+    inductor_lowering,
+    list_mode_options,
+    select_decomp_table,
+    tree_leaves,
+)
 from storm_compile.vocabulary import is_transfer
 
 log = logging.getLogger("storm_compile")
@@ -239,7 +244,7 @@ class StormBackend:
                                 keep_inference_input_mutations=True)(gm, example_inputs)
         return compile_fx(gm, example_inputs, inner_compile=_compile_graph,
                           config_patches={"custom_partitioner_fn": self.partitioner,
-                                          **torch._inductor.list_mode_options(self.config.mode)},
+                                          **list_mode_options(self.config.mode)},
                           decompositions=_decompositions() if self._bounds_memory(gm)
                           else None)
 
@@ -275,7 +280,7 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
         outputs = compiled(*args)
         if not torch.is_grad_enabled():
             return outputs
-        node = next((t.grad_fn for t in pytree.tree_leaves(outputs)
+        node = next((t.grad_fn for t in tree_leaves(outputs)
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if node is not None:
             release = step.ran(graph, budget)
@@ -304,8 +309,9 @@ def _decompositions() -> _Decompositions:
     inputs, as Inductor gives a backward's implicit fallbacks). Registered here rather than left
     to Inductor's implicit fallback, which torch 2.11 refuses for an op its default table
     decomposes; a graph compiled without storm still decomposes them before lowering."""
-    for op in KEPT_WHOLE - lowering.lowerings.keys():
-        lowering.make_fallback(op, lowering.require_contiguous, warn=False, override_decomp=True)
+    for op in KEPT_WHOLE - inductor_lowering.lowerings.keys():
+        inductor_lowering.make_fallback(op, inductor_lowering.require_contiguous, warn=False,
+                                        override_decomp=True)
     return _Decompositions((op, fn) for op, fn in select_decomp_table().items()
                            if op not in KEPT_WHOLE)
 

@@ -17,15 +17,6 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 from torch import nn
-from torch._dynamo.backends.debugging import boxed_nop
-from torch._functorch.aot_autograd import aot_module_simplified
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
-from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.utils._pytree import tree_leaves
 
 from storm_compile.arguments import DEFAULT_LLAMA_PRESET, GPT_KNOBS, LLAMA_KNOBS, PARETO_FRACTIONS
 from storm_compile.backend import StormPartitioner
@@ -50,6 +41,15 @@ from storm_compile.report import (
 from storm_compile.shapes import LLAMA_PRESETS, GPTShape, LlamaShape, ModelSpecError
 from storm_compile.simulate import predict_step
 from storm_compile.streaming import stream_parameters
+from storm_compile.torch_private import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    aot_module_simplified,
+    boxed_nop,
+    tree_leaves,
+    use_lazy_graph_module,
+)
 
 USER_MODEL_ERRORS = (TypeError, ValueError, RuntimeError, LookupError, AttributeError)
 """What a user's forward raises on example inputs it cannot take (a signature mismatch, a shape
@@ -230,7 +230,7 @@ def plan_model(model: str, ctx: PassContext, stream: bool = False,
     if stream:
         with fake_mode:
             stream_parameters(module, "cpu", host_check=False)
-    with fake_mode, _use_lazy_graph_module(True):    # the graphs are planned, never run
+    with fake_mode, use_lazy_graph_module(True):    # the graphs are planned, never run
         aot_module_simplified(_TupleOutput(module, model), inputs, fw_compiler=boxed_nop,
                               bw_compiler=boxed_nop,
                               partition_fn=StormPartitioner(ctx, observer=captured.append))

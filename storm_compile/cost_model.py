@@ -16,12 +16,11 @@ from collections.abc import Callable
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import flop_registry
 
 from storm_compile import ops
 from storm_compile.profiles import DeviceProfile
+from storm_compile.torch_private import OpOverload, tree_leaves, unset_fake_temporarily
 from storm_compile.vocabulary import (
     MS,
     Lane,
@@ -83,13 +82,13 @@ def is_fusible(node: fx.Node) -> bool:
     and simple reductions. Chains of them run as one kernel that reads the chain's inputs once
     and writes only what leaves the chain."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
     return _fusible_op(target)
 
 
 @functools.cache
-def _fusible_op(target: torch._ops.OpOverload) -> bool:
+def _fusible_op(target: OpOverload) -> bool:
     """:func:`is_fusible` of a call of ``target``: asked for every node by each cost query and
     simulation, and fixed per op (its tags never change), so answered once per op."""
     return (torch.Tag.pointwise in target.tags or target in FUSIBLE_REDUCTIONS
@@ -166,7 +165,7 @@ class MeasuredCosts:
         return out.normal_() if out.is_floating_point() else out.zero_()
 
     def __call__(self, node: fx.Node) -> float | None:
-        if is_fusible(node) or not isinstance(node.target, torch._ops.OpOverload):
+        if is_fusible(node) or not isinstance(node.target, OpOverload):
             return None
         key = CostModel.describe(node)
         if key not in self._cache:

@@ -8,14 +8,17 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._functorch import config as functorch_config
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from storm_compile.config import StormConfig
 from storm_compile.cost_model import CostModel
 from storm_compile.plan import Decision, MemoryPlan, StoragePlan, Unplaced
 from storm_compile.step_budget import NO_FRAME, GraphId, StepBudget
+from storm_compile.torch_private import (
+    LazyGraphModule,
+    functorch_config,
+    min_cut_rematerialization_partition,
+    use_lazy_graph_module,
+)
 from storm_compile.vocabulary import RECOMPUTE_TAG, view_closure
 
 COST_KEY = "storm_cost"
@@ -54,7 +57,7 @@ class JointGraph:
         tags = self._tags()
         if tags not in self._splits:
             cse = functorch_config.cse and not self._splits
-            with _use_lazy_graph_module(True), functorch_config.patch(cse=cse):
+            with use_lazy_graph_module(True), functorch_config.patch(cse=cse):
                 split = min_cut_rematerialization_partition(self.module, self.inputs,
                                                             **self.partition_kwargs)
             self._splits[tags] = split
@@ -76,7 +79,7 @@ def lazy_module(module: fx.GraphModule) -> fx.GraphModule:
     AOTAutograd already hands over a lazy module (returned as it is) under dynamo's default
     config and :func:`~storm_compile.commands.plan_model`; other callers of AOTAutograd may
     not. The graph now belongs to the returned module."""
-    lazy = _LazyGraphModule.from_graphmodule(module)
+    lazy = LazyGraphModule.from_graphmodule(module)
     if lazy is not module:
         lazy.meta.update(module.meta)
     return lazy
@@ -87,7 +90,7 @@ def _copy_module(module: fx.GraphModule) -> fx.GraphModule:
     generated when it is first called or its ``code`` read (``recompile`` only marks it stale),
     so a split a re-plan discards, or rewrites and discards, never pays for code generation,
     which takes about as long as copying a large graph."""
-    copied = _LazyGraphModule(module, copy.deepcopy(module.graph), module.__class__.__name__)
+    copied = LazyGraphModule(module, copy.deepcopy(module.graph), module.__class__.__name__)
     copied.meta.update(module.meta)
     return copied
 

@@ -182,7 +182,7 @@ def pin_transfers(snodes: list[Any]) -> list[Any]:
 def inductor_patches() -> dict[str, Any]:
     """Inductor config for a graph with storm's transfers: its peak-memory reordering on,
     then :func:`pin_transfers` (after the user's own comm-overlap passes, if they run any)."""
-    import torch._inductor.config as inductor_config
+    from storm_compile.torch_private import inductor_config
 
     user = (list(inductor_config.reorder_for_compute_comm_overlap_passes)
             if inductor_config.reorder_for_compute_comm_overlap else [])

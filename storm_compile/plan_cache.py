@@ -61,8 +61,8 @@ def record_key(partitioner_key: str, gm: fx.GraphModule, example_inputs: list[An
 
 def record_dir() -> Path:
     """Where plan records live: beside torch's caches, so clearing those clears these."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    return Path(cache_dir()) / RECORD_DIR
+    from storm_compile.torch_private import inductor_cache_dir
+    return Path(inductor_cache_dir()) / RECORD_DIR
 
 
 def load(key: str) -> PlanRecord | None:

@@ -32,12 +32,18 @@ from storm_compile.cycles import (
     step_parameter,
     streamed_parameters,
 )
+from storm_compile.torch_private import (
+    execution_engine,
+    optional,
+    storage_use_count,
+    will_engine_execute_node,
+)
 
 log = logging.getLogger("storm_compile")
 
 
 def _storage_use_count(tensor: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+    return storage_use_count(tensor.untyped_storage()._cdata)
 
 
 class StormAutogradError(RuntimeError):
@@ -48,7 +54,7 @@ class StormAutogradError(RuntimeError):
 def _current_backward() -> int | None:
     """The autograd engine's running backward pass (its graph task id), or None outside one
     (or where this torch cannot tell)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
+    current = optional("current_graph_task_id")
     task = -1 if current is None else current()
     return None if task == -1 else task
 
@@ -82,8 +88,7 @@ def pin_quickly() -> bool:
     setting says at the time, so a block pinned the other way must never exist. (Torch reports
     no host statistics at all before its pinned allocator exists.) Whether it switched."""
     configured = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) \
-        or getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
+    setter = optional("set_allocator_settings")
     stats = getattr(torch.cuda.memory, "host_memory_stats", None)
     if not torch.cuda.is_available() or PINNED_OPTIONS in configured or setter is None \
             or stats is None or stats().get("num_host_alloc", 0) != 0:
@@ -477,7 +482,7 @@ class TransferRuntime:
             return True
         node = torch.autograd.graph.get_gradient_edge(param).node
         try:
-            return torch._C._will_engine_execute_node(node)
+            return will_engine_execute_node(node)
         except RuntimeError:
             raise StormAutogradError(
                 f"storm: torch.autograd.grad cannot return the gradient of a streamed parameter "
@@ -552,7 +557,7 @@ class TransferRuntime:
             self._end_of_backward()
         elif task != self._joined_task:
             self._joined_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
         self._joined_task = None

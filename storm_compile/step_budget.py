@@ -37,8 +37,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 
-import torch
-
+from storm_compile.torch_private import CompileContext
 from storm_compile.vocabulary import GIB
 
 NO_FRAME = -1
@@ -72,7 +71,7 @@ GraphId = tuple[int, int, int]
 
 def current_graph_id(counter: dict[tuple[int, int], int]) -> GraphId:
     """The id of the graph about to be planned; ``counter`` numbers graphs per compilation."""
-    compile_id = torch._guards.CompileContext.current_compile_id()
+    compile_id = CompileContext.current_compile_id()
     frame = (NO_FRAME, 0) if compile_id is None else (compile_id.frame_id,
                                                      compile_id.frame_compile_id)
     position = counter.get(frame, 0)

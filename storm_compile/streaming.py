@@ -26,13 +26,13 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from storm_compile import ops
 from storm_compile.cycles import OVERLAPPABLE, step_parameter
 from storm_compile.host_residency import keep_on_host
 from storm_compile.runtime import _TENSOR_GRAD, get_runtime, pin_quickly
+from storm_compile.torch_private import DisableTorchFunctionSubclass, is_in_torch_dispatch_mode
 from storm_compile.vocabulary import GIB, MIB, RECOMPUTE_TAG, tensor_bytes
 
 DEFAULT_RESIDENT_BYTES = 1 * MIB
@@ -127,7 +127,7 @@ class DeviceCopy(torch.Tensor):
                 "read, so a write into it (.data, in-place ops, merging adapters, nn.init) is "
                 "lost; write into the host parameter, module.parametrizations.weight.original, "
                 "under torch.no_grad()")
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 

@@ -11,9 +11,9 @@ import operator
 
 import torch
 from torch import fx
-from torch.utils._pytree import tree_leaves
 
 from storm_compile import ops
+from storm_compile.torch_private import tree_leaves
 
 US = 1e6
 """Microseconds per second."""

@@ -4,6 +4,7 @@ import ast
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 import storm_compile
 from storm_compile import passes
@@ -59,3 +60,59 @@ def test_every_doc_the_readme_lists_exists():
     readme = (root / "README.md").read_text()
     listed = {line.split("`")[1] for line in readme.splitlines() if line.startswith("- `docs/")}
     assert listed == {f"docs/{p.name}" for p in (root / "docs").glob("*.md")}
+
+
+def _private_torch(tree: ast.AST) -> list[str]:
+    """A module's imports of private torch modules or names and its reads of private torch
+    attributes (``torch._C.x``, ``torch.autograd.Variable._execution_engine``; ``torch.ops``
+    paths name operators, not APIs)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "torch"
+                      and any(p.startswith("_") for p in a.name.split("."))]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found += [n for n in names if any(p.startswith("_") for p in n.split("."))]
+        elif isinstance(node, ast.Attribute):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            chain.reverse()
+            if isinstance(value, ast.Name) and value.id == "torch" and chain[0] != "ops" \
+                    and any(p.startswith("_") and not p.startswith("__") for p in chain):
+                found.append(".".join(["torch", *chain]))
+    return found
+
+
+def test_private_torch_apis_live_in_one_module():
+    """Only ``storm_compile.torch_private`` touches torch's private APIs; the rest import them
+    from it, so a torch release that moves one breaks one table, with a clear error."""
+    sample = "import torch._C\nfrom torch.utils import _pytree\nx = torch._C.f(torch.ops.aten._to_copy)"
+    assert set(_private_torch(ast.parse(sample))) == {"torch._C", "torch.utils._pytree",
+                                                      "torch._C.f"}
+    touched = {path.name: _private_torch(ast.parse(path.read_text()))
+               for folder in PACKAGES.values() for path in folder.glob("*.py")
+               if path.name != "torch_private.py"}
+    assert {name: apis for name, apis in touched.items() if apis} == {}
+
+
+def test_every_private_torch_api_resolves_or_names_the_torch_it_missed(monkeypatch):
+    """Each API of the table is found in this torch; one it lacks is a
+    ``StormTorchVersionError`` naming the API, the torch version and the tested releases; an
+    optional one reads as None."""
+    from storm_compile import torch_private
+
+    import torch
+
+    for name in torch_private.APIS:
+        assert getattr(torch_private, name) is not None, name
+    monkeypatch.setitem(torch_private.APIS, "moved", ("torch._nowhere:thing", "torch:_gone"))
+    with pytest.raises(torch_private.StormTorchVersionError) as raised:
+        torch_private.moved
+    message = str(raised.value)
+    assert "torch._nowhere:thing or torch:_gone" in message
+    assert torch.__version__ in message and "2.11 and 2.13" in message
+    monkeypatch.setitem(torch_private.OPTIONAL, "moved", ("torch._nowhere:thing",))
+    assert torch_private.optional("moved") is None

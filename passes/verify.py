@@ -1,6 +1,10 @@
 """Invariant checks run after every pass; a violation names the pass that broke it.
 
-Checks, on top of ``fx.Graph.lint``:
+On the joint graph (:func:`verify_joint`, after each joint-graph pass), on top of
+``fx.Graph.lint``: every ``fetch_weight`` and every ``grad_to_host`` reads a graph input as its
+host weight.
+
+On the partitioned pair (:func:`verify_graphs`), on top of ``fx.Graph.lint``:
   * every ``offload``/``prefetch`` feeds exactly one ``record_event``, which feeds exactly one
     ``wait_event``; nothing else reads a transferred tensor before that wait;
   * ``offload`` only in the forward, on a value produced there that is neither a graph input
@@ -130,6 +134,15 @@ def _check_resident(graph_name: str, graph: fx.Graph) -> None:
         if node.args[0].op != "placeholder":
             _fail(graph_name, node, f"keeps {node.args[0].name!r} on the device, which is not "
                                     f"a graph input")
+
+
+def verify_joint(joint: fx.GraphModule) -> None:
+    joint.graph.lint()
+    for target, position in ((ops.fetch_weight, 0), (ops.grad_to_host, 1)):
+        for node in joint.graph.find_nodes(op="call_function", target=target):
+            if node.args[position].op != "placeholder":
+                _fail("joint", node, f"reads {node.args[position].name!r} as its host weight, "
+                                     f"which is not a graph input")
 
 
 def verify_graphs(graphs: StormGraphs) -> None:

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--timings", action="store_true",
                           help="also print each pass run: its seconds and what it changed "
                                "(json format: under \"passes\")")
+    schedule.add_argument("--stages", action="store_true",
+                          help="also print what each pass did to the graphs' code, from the "
+                               "joint graph as captured to the rewritten pair: a diff per pass "
+                               "(json format: each pass's code under \"stages\")")
     pareto = commands.add_parser(
         "pareto", help="print the predicted step time and memory over a sweep of budgets")
     _model_arguments(pareto, ANY_MODEL_HELP)

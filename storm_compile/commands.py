@@ -31,6 +31,7 @@ from storm_compile.report import (
     annotate,
     chrome_trace,
     format_pareto,
+    format_stages,
     format_storages,
     format_table,
     format_throughput,
@@ -203,16 +204,18 @@ def _tokens(model: str, shape: dict[str, object]) -> int | None:
     return None if builtin is None else builtin.batch * builtin.seq
 
 
-def planning_context(**options: object) -> PassContext:
+def planning_context(stages: bool = False, **options: object) -> PassContext:
     """What ``storm schedule`` and ``storm pareto`` plan with: the storm ``options`` on top of
     :data:`~storm_compile.config.CPU_PLANNING` (graphs are traced, never run), and the cost model
     of their ``profile``, resolved by :func:`~storm_compile.calibrate.profile_for` as the backend
     resolves it, except that ``auto`` without CUDA is the GPU it plans for,
-    :data:`~storm_compile.profiles.GPU_PLANNING_PROFILE`. Raises :class:`StormOptionError` for a
-    bad option or profile."""
+    :data:`~storm_compile.profiles.GPU_PLANNING_PROFILE`; with ``stages``, each pass record
+    keeps the code of the graphs it left. Raises :class:`StormOptionError` for a bad option or
+    profile."""
     config = StormConfig.from_options(**{**CPU_PLANNING, "inner": "eager", **options})
     return PassContext(config, CostModel(profile_for(config.profile,
-                                                     without_cuda=GPU_PLANNING_PROFILE)))
+                                                     without_cuda=GPU_PLANNING_PROFILE)),
+                       stages=stages)
 
 
 def plan_model(model: str, ctx: PassContext, stream: bool = False,
@@ -280,19 +283,25 @@ def _print(args: argparse.Namespace, document, as_table) -> None:
 def _schedule(args: argparse.Namespace) -> int:
     _check_folder(args.trace, "--trace")
     budget = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
-    ctx = _context(args, **budget)
+    ctx = dataclasses.replace(_context(args, **budget), stages=args.stages)
     graphs = plan_model(args.model, ctx, stream=args.stream, **_shape(args))
     annotated = annotate(graphs, ctx.cost, tokens=_tokens(args.model, _shape(args)))
     prediction = annotated.pop("prediction")
     if args.trace is not None:
         _write(args.trace, json.dumps(chrome_trace(prediction)), "--trace")
     if args.timings:
-        annotated["passes"] = [dataclasses.asdict(r) for r in graphs.records]
+        annotated["passes"] = [{k: v for k, v in dataclasses.asdict(r).items() if k != "code"}
+                               for r in graphs.records]
+    if args.stages:
+        annotated["stages"] = [{**dataclasses.asdict(r), "code": dict(r.code)}
+                               for r in graphs.records]
 
     def as_table(doc: dict[str, object]) -> str:
         text = format_table(doc) if args.nodes else format_storages(doc, title=args.model)
         if args.timings:
             text += f"\n\n{format_passes(graphs.records)}"
+        if args.stages:
+            text += f"\n\n{format_stages(graphs.records)}"
         return text
 
     _print(args, annotated, as_table)

@@ -103,6 +103,9 @@ class PassRecord:
     seconds: float
     changed: str
     """What the pass changed, in a few words (``""`` when nothing)."""
+    code: tuple[tuple[str, str], ...] = ()
+    """With ``PassContext.stages``: the Python code of each graph the pass left, as (graph,
+    code) pairs (``joint``, or ``forward`` and ``backward``); empty otherwise."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +179,10 @@ class PassContext:
     resident_room: int = 0
     """Device bytes ``plan_weights`` may fill with streamed weights kept there: what a byte
     budget left above the predicted device peak of the graph's plan without them (0: none)."""
+    stages: bool = False
+    """Keep the graph code each pass leaves in its :class:`PassRecord` (``storm schedule
+    --stages``). Off in the backend: a large graph's code takes about half a CPU second to
+    generate, and nothing else reads it."""
 
 
 @dataclasses.dataclass(frozen=True)

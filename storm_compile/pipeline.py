@@ -32,8 +32,11 @@ from storm_compile.passes import (
     plan_memory,
     plan_offload,
     plan_weights,
+    refetch_weights,
     rematerialize,
+    sum_tied_gradients,
     verify_graphs,
+    verify_joint,
 )
 from storm_compile.passes.rematerialize import RecomputeRejectedError
 from storm_compile.passes.verify import StormVerificationError
@@ -42,12 +45,18 @@ from storm_compile.prediction import NodeTiming, Prediction
 from storm_compile.ranks import check_ranks_agree
 from storm_compile.simulate import device_bytes, host_inputs, simulate
 from storm_compile.step_budget import GraphShare, StormBudgetError
-from storm_compile.streaming import device_weights, refetch_in_backward, sum_gradients_on_device
+from storm_compile.streaming import device_weights
 from storm_compile.vocabulary import GIB, RECOMPUTE_TAG, tensor_bytes
 
 log = logging.getLogger("storm_compile")
 
 Pass = Callable[[StormGraphs, PassContext], StormGraphs]
+JointPass = Callable[[fx.GraphModule], fx.GraphModule]
+
+JOINT: tuple[JointPass, ...] = (
+    refetch_weights,     # streamed weights fetched again in the backward, never saved
+    sum_tied_gradients,  # a tied weight's gradients summed on the device, sent home once
+)
 
 PLAN: tuple[Pass, ...] = (
     annotate_costs,      # bytes and predicted compute time of every node
@@ -83,6 +92,19 @@ def _changes(before: StormGraphs, after: StormGraphs, sizes: tuple[int, int]) ->
     return "; ".join(changes)
 
 
+def _verified(name: str, verify: Callable[[], None]) -> None:
+    try:
+        verify()
+    except Exception as error:
+        raise StormVerificationError(f"storm pass {name!r} left invalid graphs: {error}") \
+            from error
+
+
+def _code(ctx: PassContext, **modules: fx.GraphModule) -> tuple[tuple[str, str], ...]:
+    """The code of ``modules`` by graph name when ``ctx.stages`` asks for it, else nothing."""
+    return tuple((name, gm.code) for name, gm in modules.items()) if ctx.stages else ()
+
+
 def _run(storm_pass: Pass, graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     """Run one pass, verify the graphs it leaves (a failure names the pass) and append its
     :class:`PassRecord` to them."""
@@ -90,13 +112,37 @@ def _run(storm_pass: Pass, graphs: StormGraphs, ctx: PassContext) -> StormGraphs
     after = storm_pass(graphs, ctx)
     seconds = time.perf_counter() - start
     log.debug("storm: pass %s took %.3f s", storm_pass.__name__, seconds)
-    try:
-        verify_graphs(after)
-    except Exception as error:
-        raise StormVerificationError(
-            f"storm pass {storm_pass.__name__!r} left invalid graphs: {error}") from error
-    record = PassRecord(storm_pass.__name__, seconds, _changes(graphs, after, sizes))
+    _verified(storm_pass.__name__, lambda: verify_graphs(after))
+    record = PassRecord(storm_pass.__name__, seconds, _changes(graphs, after, sizes),
+                        _code(ctx, forward=after.forward, backward=after.backward))
     return dataclasses.replace(after, records=(*graphs.records, record))
+
+
+def _tagged(joint: fx.GraphModule) -> int:
+    return sum(RECOMPUTE_TAG in n.meta for n in joint.graph.nodes)
+
+
+def _names(joint: fx.GraphModule) -> set[str]:
+    return {n.name for n in joint.graph.nodes}
+
+
+def run_joint_passes(joint: fx.GraphModule, ctx: PassContext
+                     ) -> tuple[fx.GraphModule, tuple[PassRecord, ...]]:
+    """Run :data:`JOINT` on AOTAutograd's joint graph, in place, each verified
+    (``verify_joint``; a failure names the pass): the graph and a :class:`PassRecord` per pass,
+    after one for the graph as captured (``capture``, with its code under ``ctx.stages``)."""
+    records = [PassRecord("capture", 0.0, "as AOTAutograd traced it", _code(ctx, joint=joint))]
+    for joint_pass in JOINT:
+        start, names, tagged = time.perf_counter(), _names(joint), _tagged(joint)
+        joint = joint_pass(joint)
+        seconds = time.perf_counter() - start
+        _verified(joint_pass.__name__, lambda: verify_joint(joint))
+        added, removed = len(_names(joint) - names), len(names - _names(joint))
+        changes = ([f"joint +{added} -{removed} nodes"] if added or removed else []) + (
+            [f"{_tagged(joint) - tagged:+d} recompute tags"] if _tagged(joint) != tagged else [])
+        records.append(PassRecord(joint_pass.__name__, seconds, "; ".join(changes),
+                                  _code(ctx, joint=joint)))
+    return joint, tuple(records)
 
 
 def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
@@ -392,19 +438,18 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
                     observer: Callable[[StormGraphs], None] | None = None,
                     **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
     ctx = dataclasses.replace(ctx, graph=ctx.step.next_graph())
-    # 1. capture: AOTAutograd traced the joint graph; split it the way torch.compile does,
-    #    with streamed weights fetched again in the backward instead of saved, and a tied
-    #    weight's gradients summed on the device.
-    joint = lazy_module(joint)
-    refetch_in_backward(joint)
-    sum_gradients_on_device(joint)
+    # 1. capture: AOTAutograd traced the joint graph; the joint-graph passes fetch streamed
+    #    weights again in the backward instead of saving them and sum a tied weight's
+    #    gradients on the device; then split it the way torch.compile does.
+    joint, records = run_joint_passes(lazy_module(joint), ctx)
     joint_graph = JointGraph(joint, joint_inputs, partition_kwargs)
     start = time.perf_counter()
     forward, backward = joint_graph.split()
-    split = PassRecord("split", time.perf_counter() - start, "split")
+    split = PassRecord("split", time.perf_counter() - start, "split",
+                       _code(ctx, forward=forward, backward=backward))
     log.debug("storm: pass split took %.3f s", split.seconds)
     graphs = StormGraphs(forward, backward, partition_kwargs["num_fwd_outputs"], joint=joint_graph,
-                         records=(split,))
+                         records=(*records, split))
     # 2-5. annotate costs, plan, (re-split to recompute), place, insert transfers; verified;
     #      a streamed graph planned again while its predicted peak is over a byte budget.
     graphs = plan_within_budget(graphs, ctx)

@@ -5,13 +5,15 @@ the predicted step against the same graphs without storm, and a Perfetto/Chrome 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+from collections.abc import Sequence
 
 from tabulate import tabulate
 from torch import fx
 
 from storm_compile import ops
 from storm_compile.cost_model import CostModel
-from storm_compile.graphs import StormGraphs
+from storm_compile.graphs import PassRecord, StormGraphs
 from storm_compile.plan import Action, Decision, Storage
 from storm_compile.prediction import Prediction, StepPrediction
 from storm_compile.simulate import device_bytes, host_inputs, simulate
@@ -241,6 +243,31 @@ def format_storages(annotated: dict[str, object], title: str) -> str:
                       for r in activations],
                      headers=["storage", "bytes", "decision", "reason"], disable_numparse=True)
     return f"{head}\n\n{table}"
+
+
+STAGE_CONTEXT = 1
+"""Unchanged lines shown around each change of a stage's diff."""
+
+
+def format_stages(records: Sequence[PassRecord]) -> str:
+    """What each pass did (``storm schedule --stages``), in the order they ran: its name,
+    seconds and changes, then, for each graph whose code it recorded, the unified diff against
+    that graph's code at the stage before (the whole code where the graph first appears:
+    ``joint`` at ``capture``, ``forward`` and ``backward`` at ``split``)."""
+    seen: dict[str, str] = {}
+    parts = []
+    for record in records:
+        parts.append(f"== {record.name} ({record.seconds:.3f} s): {record.changed or 'no change'}")
+        for graph, code in record.code:
+            before = seen.get(graph)
+            if before is None:
+                parts.append(f"-- {graph} graph\n{code.strip()}")
+            elif before != code:
+                parts.extend(difflib.unified_diff(before.splitlines(), code.splitlines(),
+                                                  f"{graph} before", f"{graph} after",
+                                                  n=STAGE_CONTEXT, lineterm=""))
+            seen[graph] = code
+    return "\n".join(parts)
 
 
 LANE_TIDS = {Lane.COMPUTE: 1, Lane.D2H: 2, Lane.H2D: 3}

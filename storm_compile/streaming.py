@@ -9,11 +9,11 @@ keys; any optimizer over ``model.parameters()`` updates the host copies (a CPU o
 ``torch.optim.AdamW(..., fused=True)`` runs where they live).
 
 Under ``torch.compile(backend=storm(...))`` the device copy of a weight is never saved for the
-backward: :func:`refetch_in_backward` tags every fetch of the joint graph for recomputation, so
-the partitioner fetches it again where the backward first needs it; and the gradients of a
-weight read more than once (tied embeddings) are summed on the device and sent home once
-(:func:`sum_gradients_on_device`). Eager mode and other
-backends run the same copies in program order: correct, with nothing hidden.
+backward: the joint-graph pass ``refetch_weights`` tags every fetch for recomputation, so the
+partitioner fetches it again where the backward first needs it; and the gradients of a weight
+read more than once (tied embeddings) are summed on the device and sent home once
+(``sum_tied_gradients``). Eager mode and other backends run the same copies in program order:
+correct, with nothing hidden.
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ from collections.abc import Iterator
 import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
-from torch.utils.checkpoint import CheckpointPolicy
 
 from storm_compile import ops
 from storm_compile.cycles import OVERLAPPABLE, step_parameter
 from storm_compile.host_residency import keep_on_host
 from storm_compile.runtime import _TENSOR_GRAD, get_runtime, pin_quickly
 from storm_compile.torch_private import DisableTorchFunctionSubclass, is_in_torch_dispatch_mode
-from storm_compile.vocabulary import GIB, MIB, RECOMPUTE_TAG, tensor_bytes
+from storm_compile.vocabulary import GIB, MIB, tensor_bytes
 
 DEFAULT_RESIDENT_BYTES = 1 * MIB
 """Parameters smaller than this stay on the device: a copy pays ~25 µs of fixed latency on the
@@ -389,44 +388,6 @@ def gradient_accumulation() -> Iterator[None]:
     """
     with get_runtime().deferred():
         yield
-
-
-def refetch_in_backward(joint: fx.GraphModule) -> int:
-    """Tag every ``storm.fetch_weight`` of the joint graph for recomputation, so the partitioner
-    never saves a weight's device copy for the backward and fetches it again there instead.
-    Returns how many fetches it tagged."""
-    fetches = joint.graph.find_nodes(op="call_function", target=ops.fetch_weight)
-    for node in fetches:
-        node.meta[RECOMPUTE_TAG] = CheckpointPolicy.MUST_RECOMPUTE
-    return len(fetches)
-
-
-def sum_gradients_on_device(joint: fx.GraphModule) -> int:
-    """Rewrite the ``grad_to_host(a, w)``, ``grad_to_host(b, w)``, ... of a weight read more than
-    once (a tied embedding) into one ``grad_to_host(a + b + ..., w)`` where the last of them
-    was: one copy home instead of several, and the sum on the device. Returns how many
-    ``grad_to_host`` nodes it removed."""
-    graph, removed = joint.graph, 0
-    by_weight: dict[fx.Node, list[fx.Node]] = {}
-    for node in graph.find_nodes(op="call_function", target=ops.grad_to_host):
-        by_weight.setdefault(node.args[1], []).append(node)
-    for weight, homes in by_weight.items():
-        if len(homes) < 2:
-            continue
-        with graph.inserting_before(homes[-1]):
-            total = homes[0].args[0]
-            for home in homes[1:]:
-                grad = home.args[0]
-                total_val = total.meta["val"] + grad.meta["val"]
-                total = graph.call_function(torch.ops.aten.add.Tensor, (total, grad))
-                total.meta["val"] = total_val
-            graph.call_function(ops.grad_to_host, (total, weight))
-        for home in homes:
-            graph.erase_node(home)
-        removed += len(homes) - 1
-    if removed:
-        joint.recompile()
-    return removed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -214,8 +214,8 @@ def test_cli_resolves_profiles_as_the_backend_does(monkeypatch):
 
 def test_schedule_timings_prints_each_pass_record(capsys):
     """``--timings``: after the schedule, one row per pass run in order, from the graphs' pass
-    records (``split`` first; a budget that recomputes splits again), and the same records under
-    ``"passes"`` in JSON."""
+    records (the joint graph as captured and its passes, then ``split``; a budget that
+    recomputes splits again), and the same records under ``"passes"`` in JSON."""
     argv = ["schedule", "gpt", *TINY_SHAPE, "--memory-budget", "0.3"]
     assert main([*argv, "--timings"]) == 0
     out = capsys.readouterr().out
@@ -224,12 +224,13 @@ def test_schedule_timings_prints_each_pass_record(capsys):
     lines = ("pass " + timings).splitlines()
     assert lines[0].split() == ["pass", "seconds", "changed"]
     rows = [line.split() for line in lines[2:]]
-    assert [r[0] for r in rows] == ["split", "annotate_costs", "plan_offload", "plan_memory",
+    assert [r[0] for r in rows] == ["capture", "refetch_weights", "sum_tied_gradients", "split",
+                                    "annotate_costs", "plan_offload", "plan_memory",
                                     "rematerialize", "annotate_costs", "plan_offload",
                                     "plan_memory", "plan_weights", "place_transfers",
                                     "insert_transfers"]
     assert all(float(r[1]) >= 0 for r in rows)
-    assert " ".join(rows[4][2:]) == "split again"
+    assert " ".join(rows[7][2:]) == "split again"
     assert main([*argv, "--timings", "--format", "json"]) == 0
     passes = json.loads(capsys.readouterr().out)["passes"]
     assert [p["name"] for p in passes] == [r[0] for r in rows]
@@ -741,3 +742,31 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     process.stdout.close()
     assert process.wait(timeout=300) == EXIT_BROKEN_PIPE
     assert process.stderr.read() == b""
+
+
+def test_schedule_stages_shows_what_each_pass_did_to_the_code(capsys):
+    """``--stages``: every pass in order, the joint graph whole as captured, the streamed
+    weights' fetches tagged, the tied embedding's two gradients summed into one copy home, the
+    pair whole at ``split``, and insert_transfers' diff adding storm's typed copies; in JSON,
+    each record's code by graph. Without ``--stages`` no record keeps code."""
+    argv = ["schedule", *STREAMED_LLAMA, "--memory-budget", "0.5", "--profile", "cpu-test"]
+    assert main([*argv, "--stages"]) == 0
+    out = capsys.readouterr().out.split("\n== capture", 1)[1]
+    heads = [line for line in out.splitlines() if line.startswith("== ")]
+    assert [h.split()[1] for h in heads][:3] == ["refetch_weights", "sum_tied_gradients", "split"]
+    assert heads[-1].split()[1] == "insert_transfers"
+    assert "recompute tags" in heads[0] and "joint +2 -2 nodes" in heads[1]
+    tied = out.split("== sum_tied_gradients", 1)[1].split("\n== ", 1)[0]
+    assert sum(line.startswith("-") and "grad_to_host" in line for line in tied.splitlines()) == 2
+    assert sum(line.startswith("+") and "grad_to_host" in line for line in tied.splitlines()) == 1
+    inserted = out.split("== insert_transfers", 1)[1]
+    assert "+++ forward after" in inserted and "+++ backward after" in inserted
+    assert any(line.startswith("+") and "storm.wait_event" in line
+               for line in inserted.splitlines())
+    assert main([*argv, "--stages", "--format", "json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert list(stages[0]["code"]) == ["joint"] and "fetch_weight" in stages[0]["code"]["joint"]
+    assert {tuple(s["code"]) for s in stages[3:]} == {("forward", "backward")}
+    graphs = commands.plan_model(STREAMED_LLAMA[0], commands.planning_context(
+        profile="cpu-test"), stream=True, preset="1b", layers=1, seq=256)
+    assert [r.code for r in graphs.records] == [()] * len(graphs.records)

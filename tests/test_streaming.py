@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import CPU_TEST_OPTIONS, cost_model, nodes
 from storm_compile import ops, pipeline, storm, streaming
@@ -20,7 +21,13 @@ from storm_compile.calibrate import host_rates
 from storm_compile.cost_model import CostModel
 from storm_compile.config import StormConfig
 from storm_compile.graphs import PassContext, saved_values
-from storm_compile.passes import StormBudgetError, StormVerificationError, verify_graphs
+from storm_compile.passes import (
+    StormBudgetError,
+    StormVerificationError,
+    refetch_weights,
+    sum_tied_gradients,
+    verify_graphs,
+)
 from storm_compile.pipeline import run_passes
 from storm_compile.profiles import PROFILES
 from storm_compile.runtime import HostAdder, get_runtime
@@ -28,7 +35,7 @@ from storm_compile.report import summary
 from storm_compile.simulate import device_bytes, predict_step, simulate, stepped_weights
 from storm_compile.models import LLAMA_PRESETS, build_llama
 from storm_compile.streaming import StormHostMemoryError, stream_parameters
-from storm_compile.vocabulary import storage_owner, tensor_bytes
+from storm_compile.vocabulary import RECOMPUTE_TAG, storage_owner, tensor_bytes
 
 SHAPE = LLAMA_PRESETS["tiny"]
 RESIDENT_BYTES = 4096
@@ -273,13 +280,56 @@ def test_tied_gradients_are_summed_before_going_home():
     for node in (a, b, w):
         node.meta["val"] = torch.ones(2)
     joint = fx.GraphModule({}, graph)
-    assert streaming.sum_gradients_on_device(joint) == 1
+    assert sum_tied_gradients(joint) is joint
     assert [n.target for n in joint.graph.nodes if n.op == "call_function"] == \
         [torch.ops.aten.add.Tensor, ops.grad_to_host]
     weight = torch.zeros(2, requires_grad=True)
     joint(torch.ones(2), torch.full((2,), 2.0), weight)
     torch.testing.assert_close(weight.grad, torch.full((2,), 3.0))
-    assert streaming.sum_gradients_on_device(joint) == 0
+    code = joint.code
+    sum_tied_gradients(joint)
+    assert joint.code == code, "idempotent"
+
+
+def test_refetch_weights_tags_each_fetch_and_nothing_else():
+    """Every ``fetch_weight`` is tagged MUST_RECOMPUTE (so the partitioner fetches it again in
+    the backward), no other node is tagged or moved, and a second run changes nothing."""
+    graph = fx.Graph()
+    w, x = graph.placeholder("w"), graph.placeholder("x")
+    fetched = graph.call_function(ops.fetch_weight, (w, torch.device("cpu")))
+    product = graph.call_function(torch.ops.aten.mm.default, (x, fetched))
+    graph.output(product)
+    joint = fx.GraphModule({}, graph)
+    code = joint.code
+    for _ in range(2):
+        assert refetch_weights(joint) is joint
+        assert {n.name: n.meta.get(RECOMPUTE_TAG) for n in joint.graph.nodes} == {
+            "w": None, "x": None, "fetch_weight_default": CheckpointPolicy.MUST_RECOMPUTE,
+            "mm_default": None,
+            "output": None}
+        assert joint.code == code
+
+
+def test_a_joint_pass_that_breaks_the_joint_graph_is_named(monkeypatch):
+    """A joint-graph pass whose graph fails ``verify_joint`` (a gradient sent home to a value
+    that is not a graph input) raises StormVerificationError naming the pass."""
+    from storm_compile import pipeline
+    from storm_compile.commands import planning_context
+
+    def misroute(joint):
+        home = next(iter(joint.graph.find_nodes(op="call_function", target=ops.grad_to_host)))
+        home.args = (home.args[0], home.args[0])
+        return joint
+
+    misroute.__name__ = "misroute"
+    monkeypatch.setattr(pipeline, "JOINT", (misroute,))
+    graph = fx.Graph()
+    g, w = graph.placeholder("g"), graph.placeholder("w")
+    graph.call_function(ops.grad_to_host, (graph.call_function(torch.ops.aten.neg.default,
+                                                              (g,)), w))
+    graph.output(None)
+    with pytest.raises(StormVerificationError, match="storm pass 'misroute' left invalid graphs"):
+        pipeline.run_joint_passes(fx.GraphModule({}, graph), planning_context(profile="cpu-test"))
 
 
 def test_small_parameters_stay_on_the_device():

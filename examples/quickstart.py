@@ -4,7 +4,8 @@
 
 On a GPU storm keeps, offloads or recomputes each activation saved for the backward so that
 half of them are held at the end of the forward; without one it compiles the same graphs for
-the CPU (a budget there plans nothing: the CPU's memory is the host's). Prints each step's loss.
+the CPU (a budget there plans nothing, the CPU's memory being the host's, and storm warns so).
+Prints each step's loss.
 """
 
 import torch

@@ -8,7 +8,10 @@ The model. Removing storage ``i`` (``b_i`` bytes) from the device at the end of 
     bandwidth), by which a saturated link stretches the forward;
   * ``r_i`` if recomputed: the predicted compute of its recompute chain (the forward nodes between
     it and the values that stay saved, or the graph inputs); impossible when the chain draws
-    random numbers, with ``recompute=False``, or after the re-split.
+    random numbers or makes a data-dependent choice (``topk``, ``argmax``, ``sort``, the
+    indices of ``max``, ``nonzero``: ``vocabulary.CHOICE_OPS``, whose recomputation from
+    values a last bit apart could choose differently in the backward), with
+    ``recompute=False``, or after the re-split.
 Each storage's cheap way is ``c_i = min(o_i, r_i)``, and storages are ranked by ``c_i / b_i``.
 With a byte target the planner takes the shortest prefix of the ranking whose bytes reach it,
 then drops, dearest first, the storages it can do without (so memory lands near the target);
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 
 import torch
 from torch import fx
@@ -70,7 +74,7 @@ from storm_compile.simulate import simulate
 from storm_compile.step_budget import GraphShare, StormBudgetError
 from storm_compile.streaming import device_weights
 from storm_compile.torch_private import OpOverload
-from storm_compile.vocabulary import GIB, Lane, view_chain
+from storm_compile.vocabulary import GIB, Lane, makes_choice, view_chain
 
 NO_BUDGET_SHARE = 0.5
 """Without a budget, memory saved is welcome but not asked for: offloads may spend only this
@@ -126,6 +130,9 @@ def _recompute_chain(root: fx.Node, members: list[fx.Node], saved: set[fx.Node]
         if isinstance(node.target, OpOverload) \
                 and torch.Tag.nondeterministic_seeded in node.target.tags:
             return (), f"its recompute chain draws random numbers ({node.name})"
+        if makes_choice(node):
+            return (), (f"its recompute chain makes a data-dependent choice ({node.name}), "
+                        f"which could differ in the backward")
         chain.append(node)
         items = list(node.users) if _multi_output(node) else []
         kept = [item.name for item in items if item in saved]
@@ -157,6 +164,14 @@ def _items(graphs: StormGraphs, movable: tuple[Storage, ...],
             recompute_s=None if why_not else sum(n.meta[COST_KEY].compute_s for n in chain),
             no_recompute=why_not or "", hides=hides), chain))
     return sorted(items, key=lambda i: (i.cost_s / i.nbytes, i.root.name))
+
+
+UNPLANNED_DEVICE = (
+    "storm: memory_budget and offload='all' do nothing for a graph that saves no tensor on a "
+    "CUDA device (a model on the CPU): storm plans device memory, and this graph compiles "
+    "unchanged; move the model and its inputs to the GPU, or pass transfer_cpu_tensors=True "
+    "to plan the CPU graph as if it ran on the device")
+"""Warned when a budget or ``offload="all"`` meets a graph :func:`_plans_device` refuses."""
 
 
 def _plans_device(graphs: StormGraphs, ctx: PassContext) -> bool:
@@ -191,7 +206,11 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
     if graphs.plan is not None:
         reached = graphs.plan.target_bytes
         return _Target(Goal.HIDDEN) if reached is None else _Target(Goal.BYTES, reached)
-    if not _plans_device(graphs, ctx) or (budget is None and ctx.config.offload != "all"):
+    if not _plans_device(graphs, ctx):
+        if budget is not None or ctx.config.offload == "all":
+            warnings.warn(UNPLANNED_DEVICE, RuntimeWarning, stacklevel=2)
+        return _Target(Goal.HIDDEN)
+    if budget is None and ctx.config.offload != "all":
         return _Target(Goal.HIDDEN)
     if ctx.config.offload == "all":
         return _Target(Goal.BYTES, minimum)

@@ -125,6 +125,26 @@ def _returns_view(target) -> bool:
                                       for r in schema.returns)
 
 
+CHOICE_OPS = frozenset(packet for packet in (
+    getattr(torch.ops.aten, name, None) for name in (
+        "topk", "sort", "argsort", "argmax", "argmin", "max", "min", "kthvalue", "mode",
+        "median", "nanmedian", "cummax", "cummin", "nonzero", "nonzero_static", "unique_dim",
+        "_unique2", "unique_consecutive", "searchsorted", "bucketize"))
+    if packet is not None)
+"""Ops whose output is a choice made by comparing values: which entries (``topk``, ``sort``,
+``argmax``, the indices of ``max.dim``, ``nonzero``), not only how much. Recomputed in the
+backward from values that differ in the last bit (another kernel, another fusion, another
+order of a sum), such a choice can flip: a router would send a token to other experts in the
+backward than in the forward, and the gradients would belong to neither."""
+
+
+def makes_choice(node: fx.Node) -> bool:
+    """Whether ``node`` calls one of :data:`CHOICE_OPS` (any overload: ``max.dim`` chooses,
+    and so is counted, as does plain ``max``, whose value is one of its inputs')."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return node.op == "call_function" and packet in CHOICE_OPS
+
+
 def is_compute(node: fx.Node) -> bool:
     """Whether the node launches work on the compute stream: a call that is not a view, an
     item of a tuple, or a storm transfer."""

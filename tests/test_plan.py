@@ -1,5 +1,7 @@
 """The memory planner: budgets met, numerics kept, recomputation driven through the partitioner."""
 
+import warnings
+
 import pytest
 import torch
 from torch import fx
@@ -7,11 +9,13 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 from helpers import CPU_TEST_OPTIONS, capture, cost_model, nodes, step
 from storm_compile import ops, storm
+from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
 from storm_compile.graphs import PassContext, saved_values
 from storm_compile.passes import StormBudgetError
 from storm_compile.pipeline import run_passes
 from storm_compile.simulate import simulate
+from storm_compile.vocabulary import makes_choice
 from zoo import ZOO
 
 MODELS = sorted(ZOO)
@@ -73,6 +77,67 @@ def test_random_ops_are_never_recomputed():
         target = joint[name].target
         assert not (isinstance(target, torch._ops.OpOverload)
                     and torch.Tag.nondeterministic_seeded in target.tags), name
+
+
+class TopkHead(torch.nn.Module):
+    """A router whose top-k choice is the largest thing saved for the backward, cheap to
+    recompute: a budget would rebuild it in the backward if choices could be recomputed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(8, 512, bias=False)
+
+    def forward(self, x):
+        values, chosen = self.router(x).topk(128, dim=-1)
+        return values.sin() * chosen.float()
+
+
+def test_a_data_dependent_choice_is_never_recomputed():
+    """A recomputed ``topk`` could choose other entries in the backward than in the forward
+    (its inputs rebuilt a last bit apart): every storage whose recompute chain holds one is
+    offloaded or kept instead, with the reason, and the gradients stay eager's. The routed
+    MoE block of the zoo plans no choice for recomputation at any fraction."""
+    captured = []
+    config = StormConfig.from_options(**{**PLAN_OPTIONS, "memory_budget": 0.1})
+    torch.manual_seed(0)
+    model, x = TopkHead(), torch.randn(64, 8)
+    torch.compile(model, backend=StormBackend(config, observer=captured.append))(x) \
+        .pow(2).mean().backward()
+    (graphs,) = captured
+    joint = {n.name: n for n in graphs.joint.module.graph.nodes}
+    assert not [n for n in graphs.plan.recompute if makes_choice(joint[n])]
+    reasons = {s.name: d.reason for s, d in graphs.storages if s.eligibility.movable}
+    assert reasons and all("makes a data-dependent choice (topk)" in r for r in reasons.values())
+    grad = model.router.weight.grad.clone()
+    model.router.weight.grad = None
+    model(x).pow(2).mean().backward()
+    torch.testing.assert_close(grad, model.router.weight.grad)
+    for fraction in FRACTIONS:
+        routed = capture("routed", **_budget_options(fraction))
+        joint = {n.name: n for n in routed.joint.module.graph.nodes}
+        assert not [n for n in routed.plan.recompute if makes_choice(joint[n])], fraction
+
+
+@pytest.mark.parametrize("options", [{"memory_budget": 0.5}, {"memory_budget": "1GiB"},
+                                     {"offload": "all"}])
+def test_a_budget_storm_cannot_plan_warns_with_the_way_out(options):
+    """A budget (or ``offload="all"``) on a model on the CPU, which storm does not plan, warns
+    once per compile saying so and what to do; defaults there, and the same budget with
+    ``transfer_cpu_tensors=True``, warn nothing."""
+    def train(**chosen):
+        torch.manual_seed(0)
+        model, inputs, loss_fn = ZOO["mlp"]()
+        loss_fn(torch.compile(model, backend=storm(inner="eager", **chosen))(*inputs)).backward()
+
+    with pytest.warns(RuntimeWarning) as raised:
+        train(**options)
+    ours = [str(w.message) for w in raised if str(w.message).startswith("storm:")]
+    assert len(ours) == 1 and "move the model and its inputs to the GPU" in ours[0]
+    assert "transfer_cpu_tensors=True" in ours[0]
+    for quiet in ({}, {**options, "transfer_cpu_tensors": True}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            train(**quiet)
 
 
 @pytest.mark.parametrize("name", MODELS)

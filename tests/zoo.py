@@ -92,6 +92,32 @@ def multi_output():
     return MultiOutput(), (torch.randn(16, 32),), loss
 
 
+class Routed(nn.Module):
+    """A mixture-of-experts block: a router picks 2 of 4 expert MLPs per token (``topk``) and
+    the block sums their outputs weighted by the router's probabilities, as Mixtral- and
+    Qwen-MoE-style blocks do (every expert runs on every token here, so shapes stay static)."""
+
+    def __init__(self, dim: int = 32, experts: int = 4, hidden: int = 64, k: int = 2) -> None:
+        super().__init__()
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+            for _ in range(experts))
+        self.k = k
+
+    def forward(self, x):
+        weights, chosen = self.router(torch.tanh(x)).softmax(-1).topk(self.k, dim=-1)
+        out = x
+        for index, expert in enumerate(self.experts):
+            gate = (weights * (chosen == index)).sum(-1, keepdim=True)
+            out = out + gate * expert(x)
+        return out
+
+
+def routed():
+    return Routed(), (torch.randn(4, 16, 32),), _sum_loss
+
+
 ZOO = {
     "mlp": mlp,
     "gpt": gpt,
@@ -99,4 +125,5 @@ ZOO = {
     "dropout": dropout,
     "tied_embedding": tied_embedding,
     "multi_output": multi_output,
+    "routed": routed,
 }

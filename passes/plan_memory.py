@@ -202,7 +202,7 @@ class _Target:
 
 def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
             minimum: int) -> _Target:
-    budget = ctx.config.memory_budget
+    budget = ctx.memory_budget
     if graphs.plan is not None:
         reached = graphs.plan.target_bytes
         return _Target(Goal.HIDDEN) if reached is None else _Target(Goal.BYTES, reached)
@@ -216,7 +216,7 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
         return _Target(Goal.BYTES, minimum)
     if budget == "auto":
         return _Target(Goal.AUTO)
-    weights = device_weights(graphs.forward, ctx.config.prefetch_window_bytes)
+    weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
     if isinstance(budget, int) and weights is not None:
         if budget < weights.nbytes + minimum:
             raise StormBudgetError(
@@ -289,7 +289,7 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     baseline = now if first_split else graphs.plan.baseline
     storages = graphs.storages
     movable = storages.movable()
-    no_recompute = (None if first_split and ctx.config.recompute
+    no_recompute = (None if first_split and ctx.recompute
                     else "recompute=False" if first_split
                     else "recomputation was planned on the first split")
     minimum = now.activation_bytes - sum(s.nbytes for s in movable)

@@ -29,10 +29,10 @@ from storm_compile.vocabulary import tensor_bytes
 
 
 def plan_weights(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    budget, plan = ctx.config.memory_budget, graphs.storages
+    budget, plan = ctx.memory_budget, graphs.storages
     if not isinstance(budget, int) or plan.resident:
         return graphs
-    weights = device_weights(graphs.forward, ctx.config.prefetch_window_bytes)
+    weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
     if weights is None or ctx.resident_room <= 0:
         return graphs
     room = min(ctx.step.left_bytes(ctx.graph, budget - weights.resident_bytes),

@@ -169,6 +169,20 @@ def _decision_on(decision: Decision, backward: dict[str, fx.Node]) -> Decision:
 
 
 @dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the planner plans a graph against where it differs from the user's options, which
+    are never rewritten: to fit a streamed graph's device peak under a byte budget, or to trade
+    activations for weights kept on the device, the planner's search
+    (:func:`storm_compile.pipeline.plan_within_budget`) plans with a lower byte budget and a
+    smaller prefetch window; where the partitioner rejects the planned recomputation, the graph
+    is planned without. None: the user's option."""
+
+    memory_budget: int | None = None
+    prefetch_window_bytes: int | None = None
+    recompute: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PassContext:
     config: StormConfig
     cost: CostModel
@@ -183,6 +197,24 @@ class PassContext:
     """Keep the graph code each pass leaves in its :class:`PassRecord` (``storm schedule
     --stages``). Off in the backend: a large graph's code takes about half a CPU second to
     generate, and nothing else reads it."""
+    limits: Limits = Limits()
+    """Where the planner plans against other numbers than the user's options (``config``)."""
+
+    @property
+    def memory_budget(self) -> int | float | str | None:
+        """The budget this graph is planned against: the search's, else the user's."""
+        chosen = self.limits.memory_budget
+        return self.config.memory_budget if chosen is None else chosen
+
+    @property
+    def prefetch_window_bytes(self) -> int:
+        chosen = self.limits.prefetch_window_bytes
+        return self.config.prefetch_window_bytes if chosen is None else chosen
+
+    @property
+    def recompute(self) -> bool:
+        chosen = self.limits.recompute
+        return self.config.recompute if chosen is None else chosen
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,8 +154,8 @@ def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
 def plan_storages(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     """Plan, realise recomputation, plan the new split's offloads: every saved storage decided
     and recorded in the step's ledger, the graphs not rewritten. What it decides depends on
-    the graphs, ``ctx.config``, ``ctx.cost`` and the ledger's other graphs, never on
-    ``ctx.resident_room``."""
+    the graphs, ``ctx.config`` and ``ctx.limits``, ``ctx.cost`` and the ledger's other graphs,
+    never on ``ctx.resident_room``."""
     first_split = graphs.plan is None
     for storm_pass in PLAN:
         graphs = _run(storm_pass, graphs, ctx)
@@ -167,7 +167,7 @@ def plan_storages(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                           f"({error}); this graph uses storm's best plan without "
                           f"recomputation instead", RuntimeWarning, stacklevel=3)
             ctx = dataclasses.replace(
-                ctx, config=dataclasses.replace(ctx.config, recompute=False))
+                ctx, limits=dataclasses.replace(ctx.limits, recompute=False))
             graphs = dataclasses.replace(graphs, plan=None)
         for storm_pass in PLAN:                      # offloads of the new split, same target
             graphs = _run(storm_pass, graphs, ctx)
@@ -293,35 +293,34 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     planned = _transfers(first, ctx)
     peak, prediction = _peak(planned, ctx)
     if peak > budget:
-        fits, least = [], _peak_node(peak, prediction)
+        fits, least = [], _peak_at(peak, prediction)
         for spare_window in (True, False):
             fit = _fit_peak(graphs, tags, ctx, planned, prediction, spare_window)
             if isinstance(fit, _Fit):
                 fits.append(fit)
             else:
-                least = min(least, fit, key=lambda seen: seen[0])
+                least = min(least, fit, key=lambda seen: seen.nbytes)
         if not fits:
             raise _over_budget(budget, least, asked)
         fastest = min(fits, key=lambda fit: fit.prediction.step_s)
         planned, prediction, ctx, peak, first = (fastest.graphs, fastest.prediction,
                                                  fastest.ctx, fastest.peak, fastest.decided)
         ctx.step.record(ctx.graph, fastest.share)
-    best = (prediction.step_s, planned, ctx.step.share(ctx.graph))
+    best = _Candidate(prediction.step_s, planned, ctx.step.share(ctx.graph))
     kept = _with_residents(first, ctx, budget, planned, budget - peak)
     if kept is not None:
-        best = min(best, kept, key=lambda plan: plan[0])
+        best = min(best, kept, key=lambda plan: plan.step_s)
     streamed = sum(tensor_bytes(w.meta.get("val")) for w in host_inputs(planned))
     freed = min(streamed, planned.plan.target_bytes - planned.plan.minimum_bytes)
     if freed > 0 and (kept is None
-                      or sum(w.nbytes for w in kept[1].storages.resident) < streamed):
-        fewer = dataclasses.replace(ctx, config=dataclasses.replace(
-            ctx.config, memory_budget=ctx.config.memory_budget - freed))
+                      or sum(w.nbytes for w in kept.graphs.storages.resident) < streamed):
+        fewer = dataclasses.replace(ctx, limits=dataclasses.replace(
+            ctx.limits, memory_budget=ctx.memory_budget - freed))
         kept = _traded(graphs, tags, fewer, budget)
         if kept is not None:
-            best = min(best, kept, key=lambda plan: plan[0])
-    _, chosen, share = best
-    ctx.step.record(ctx.graph, share)
-    return chosen
+            best = min(best, kept, key=lambda plan: plan.step_s)
+    ctx.step.record(ctx.graph, best.share)
+    return best.graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,24 +336,41 @@ class _Fit:
     """Its storage decisions, before the graphs were rewritten."""
 
 
-def _peak_node(peak: int, prediction: Prediction) -> tuple[int, NodeTiming]:
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    """A plan the search may return: its predicted step, its rewritten graphs and the ledger
+    share its planning recorded."""
+
+    step_s: float
+    graphs: StormGraphs
+    share: GraphShare
+
+
+@dataclasses.dataclass(frozen=True)
+class _PeakAt:
     """A plan's predicted device peak and the node where it is."""
-    return peak, max(prediction.timings, key=lambda t: t.memory_after)
+
+    nbytes: int
+    at: NodeTiming
+
+
+def _peak_at(peak: int, prediction: Prediction) -> _PeakAt:
+    return _PeakAt(peak, max(prediction.timings, key=lambda t: t.memory_after))
 
 
 def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
               planned: StormGraphs, prediction: Prediction, spare_window: bool
-              ) -> _Fit | tuple[int, NodeTiming]:
+              ) -> _Fit | _PeakAt:
     """Plan ``graphs`` again from a fresh split while the predicted device peak stays over the
     byte budget, starting from ``planned`` (over it, predicted as ``prediction``), at most
     :data:`PEAK_ROUNDS` times: the first fitting plan, or the least peak seen and the node
     where it is. Round ``k`` takes the excess times ``2**k`` from the activations (never below
     their minimum) and from ``prefetch_window_bytes``: with ``spare_window`` only the part the
     activations could not take."""
-    budget, window = ctx.config.memory_budget, ctx.config.prefetch_window_bytes
+    budget, window = ctx.memory_budget, ctx.prefetch_window_bytes
     weights = device_weights(graphs.forward, window)
     peak = device_bytes(planned, prediction)
-    lowered, least = budget, _peak_node(peak, prediction)
+    lowered, least = budget, _peak_at(peak, prediction)
     for round_ in range(PEAK_ROUNDS):
         excess = (peak - budget) * 2**round_
         target = max(planned.plan.minimum_bytes, prediction.activation_bytes - excess)
@@ -365,8 +381,8 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
         now = device_weights(graphs.forward, window)
         lowered -= planned.plan.target_bytes - target + weights.nbytes - now.nbytes
         weights = now
-        ctx = dataclasses.replace(ctx, config=dataclasses.replace(
-            ctx.config, memory_budget=lowered, prefetch_window_bytes=window))
+        ctx = dataclasses.replace(ctx, limits=dataclasses.replace(
+            ctx.limits, memory_budget=lowered, prefetch_window_bytes=window))
         try:
             decided = _decide(graphs, tags, ctx)
         except StormBudgetError:
@@ -375,12 +391,12 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
         peak, prediction = _peak(planned, ctx)
         if peak <= budget:
             return _Fit(planned, prediction, ctx, peak, ctx.step.share(ctx.graph), decided)
-        least = min(least, _peak_node(peak, prediction), key=lambda seen: seen[0])
+        least = min(least, _peak_at(peak, prediction), key=lambda seen: seen.nbytes)
     return least
 
 
 def _traded(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext, budget: int
-            ) -> tuple[float, StormGraphs, GraphShare] | None:
+            ) -> _Candidate | None:
     """The graph planned with ``ctx``'s lower activation target, then with the room that plan
     leaves for weights kept on the device (:func:`_with_residents`); None when the step's
     ledger refuses the lower target, its peak does not fit ``budget`` or no weight is kept."""
@@ -396,7 +412,7 @@ def _traded(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext, budg
 
 
 def _with_residents(decided: _Decided, ctx: PassContext, budget: int, fitting: StormGraphs,
-                    room: int) -> tuple[float, StormGraphs, GraphShare] | None:
+                    room: int) -> _Candidate | None:
     """The graph planned again with ``room`` for weights kept on the device
     (``PassContext.resident_room``) above ``fitting``, a plan whose peak fits the budget, made
     with ``ctx`` from ``decided``: the first of :data:`RESIDENT_ROUNDS` tries whose peak fits
@@ -415,15 +431,14 @@ def _with_residents(decided: _Decided, ctx: PassContext, budget: int, fitting: S
             kept = place_and_insert(copy_decided(weighed), with_room)
             peak, prediction = _peak(kept, ctx)
             if peak <= budget:
-                return prediction.step_s, kept, ctx.step.share(ctx.graph)
+                return _Candidate(prediction.step_s, kept, ctx.step.share(ctx.graph))
             peaks[resident] = peak
         room -= (peaks[resident] - budget) * 2**round_
     return None
 
 
-def _over_budget(budget: int, least: tuple[int, NodeTiming], asked: StormConfig
-                 ) -> StormBudgetError:
-    peak, at = least
+def _over_budget(budget: int, least: _PeakAt, asked: StormConfig) -> StormBudgetError:
+    peak, at = least.nbytes, least.at
     return StormBudgetError(
         f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the device memory "
         f"this streamed graph needs at its peak: of the plans storm tried, with up to every "

@@ -227,7 +227,7 @@ def _h2d(gm: fx.GraphModule, line: _Timeline, requests: Sequence[_Request],
     inputs_end = max(line.order[n] for n in gm.graph.find_nodes(op="placeholder"))
     placed: dict[fx.Node, _Prefetch | Unplaced] = {}
     lane_start, intervals = float("inf"), []
-    window = ctx.config.prefetch_window_bytes
+    window = ctx.prefetch_window_bytes
     for request in sorted(requests, key=lambda r: line.order[r.first_read], reverse=True):
         root, use, nbytes = request.key, request.first_read, request.nbytes
         copy = ctx.cost.transfer_seconds(nbytes, Lane.H2D)

@@ -162,7 +162,7 @@ def _readable(key: str, value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3f}"
     if key.endswith("_bytes"):
-        return f"{value} ({value / GIB:.3f} GiB)"
+        return _size(value)
     return str(value)
 
 

@@ -331,6 +331,27 @@ class HostAdder:
                   (time.perf_counter() - begin) * 1e3, self._jobs.qsize())
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchedCopy:
+    """A copy launched on a copy stream whose completion event is not recorded yet."""
+
+    stream: torch.cuda.Stream
+    device: torch.device
+    host_reads: bool
+    """The host reads the copy's destination once it is done (a gradient to add)."""
+    host_source: int | None
+    """``data_ptr`` of the host tensor the copy reads, for a copy from host memory: a write
+    into that tensor must wait for it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingCopy:
+    """A recorded copy the compute stream has not waited for yet."""
+
+    event: torch.cuda.Event
+    device: torch.device
+
+
 class TransferRuntime:
     """Streams, pool and pending copies, the host thread that adds gradients (and steps the
     parameters of an overlapped optimizer), the device copies of resident weights, and what is
@@ -348,8 +369,8 @@ class TransferRuntime:
         self.pool = PinnedPool()
         self._d2h: dict[torch.device, torch.cuda.Stream] = {}
         self._h2d: dict[torch.device, torch.cuda.Stream] = {}
-        self._launched: dict[int, tuple[torch.cuda.Stream, torch.device, bool, int | None]] = {}
-        self._events: dict[int, tuple[torch.cuda.Event, torch.device]] = {}
+        self._launched: dict[int, LaunchedCopy] = {}
+        self._events: dict[int, PendingCopy] = {}
         self._host_events: dict[int, torch.cuda.Event] = {}
         self._host_reads: dict[int, torch.cuda.Event] = {}
         self._mirrors = WeakIdKeyDictionary()
@@ -394,21 +415,20 @@ class TransferRuntime:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         host_source = src.data_ptr() if src.device.type == "cpu" else None
-        self._launched[dst.data_ptr()] = (stream, device, host_reads, host_source)
+        self._launched[dst.data_ptr()] = LaunchedCopy(stream, device, host_reads, host_source)
 
     def record(self, tensor: torch.Tensor) -> None:
         """Record the completion event of the copy that produced ``tensor``, if one is pending."""
         launched = self._launched.pop(tensor.data_ptr(), None)
         if launched is None:
             return
-        stream, device, host_reads, host_source = launched
         event = torch.cuda.Event()
-        event.record(stream)
-        self._events[tensor.data_ptr()] = (event, device)
-        if host_reads:
+        event.record(launched.stream)
+        self._events[tensor.data_ptr()] = PendingCopy(event, launched.device)
+        if launched.host_reads:
             self._host_events[tensor.data_ptr()] = event
-        if host_source is not None:
-            self._host_reads[host_source] = event
+        if launched.host_source is not None:
+            self._host_reads[launched.host_source] = event
 
     def watch_optimizers(self) -> None:
         """Follow every optimizer step from now on (idempotent)."""
@@ -446,8 +466,7 @@ class TransferRuntime:
         """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""
         pending = self._events.pop(tensor.data_ptr(), None)
         if pending is not None:
-            event, device = pending
-            torch.cuda.current_stream(device).wait_event(event)
+            torch.cuda.current_stream(pending.device).wait_event(pending.event)
 
     def accumulate(self, x: torch.Tensor, param: torch.Tensor) -> None:
         """Add host tensor ``x`` into ``param.grad``, after the copy that produced ``x``

@@ -200,11 +200,24 @@ class _HostThread:
         return end
 
 
+@dataclasses.dataclass(frozen=True)
+class _Walked:
+    """What one graph's run left, in seconds from the step's start and bytes on the device."""
+
+    end_s: float
+    live_bytes: int
+    """Live at the end of the graph."""
+    peak_bytes: int
+    stall_s: float
+    """Compute stream time spent waiting on copies."""
+    host_wait_s: float
+    """Time ``wait_host`` waited for the host thread once the copies were done."""
+
+
 def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _HostThread,
           start: float, live: int, held: list[fx.Node], host_inputs: set[fx.Node],
-          baseline: int, timings: list[NodeTiming]) -> tuple[float, int, int, float, float]:
-    """Run one graph from ``live`` bytes, of which ``held`` are inputs it may release; returns
-    (end time, live bytes at the end, peak live bytes, copy stall time, host wait time)."""
+          baseline: int, timings: list[NodeTiming]) -> _Walked:
+    """Run one graph from ``live`` bytes, of which ``held`` are inputs it may release."""
     memory = _Memory(gm.graph, host_inputs)
     allocated = {node: _storage_bytes(node) for node in held}
     t, peak, stall, host_wait = start, live, 0.0, 0.0
@@ -237,7 +250,7 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _Ho
         for owner in memory.release_at.get(index, ()):
             live -= allocated.pop(owner, 0)
         timings.append(NodeTiming(name, node.name, lane, begin, t, live - baseline))
-    return t, live, peak, stall, host_wait
+    return _Walked(t, live, peak, stall, host_wait)
 
 
 def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False) -> Prediction:
@@ -250,8 +263,7 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False) -> Predi
     timings: list[NodeTiming] = []
     inputs = set(fw.graph.find_nodes(op="placeholder"))
     baseline = sum(_storage_bytes(n) for n in inputs)
-    fw_end, fw_live, fw_peak, fw_stall, _ = _walk(fw, "fw", cost, link, host, 0.0, baseline,
-                                                  [], set(), baseline, timings)
+    forward = _walk(fw, "fw", cost, link, host, 0.0, baseline, [], set(), baseline, timings)
 
     input_views = {n.name for n in saved_values(graphs) if storage_owner(n).op == "placeholder"}
     bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
@@ -262,9 +274,8 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False) -> Predi
                if isinstance(n, fx.Node)]
     bw_live = baseline + sum(_storage_bytes(n) for n in visible) + sum(
         _storage_bytes(n) for n in on_device)
-    bw_end, _, bw_peak, bw_stall, host_wait = _walk(bw, "bw", cost, link, host, fw_end,
-                                                    bw_live, on_device, host_inputs, baseline,
-                                                    timings)
+    backward = _walk(bw, "bw", cost, link, host, forward.end_s, bw_live, on_device, host_inputs,
+                     baseline, timings)
     copies = []
     for name, gm in (("fw", fw), ("bw", bw)):
         for target, lane in COPY_LANES.items():
@@ -273,11 +284,13 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False) -> Predi
                     copies.append(CopyTiming(name, node.name, lane, link.started[node],
                                              link.done[node], _storage_bytes(node)))
     return Prediction(
-        step_s=bw_end, forward_s=fw_end, exposed_transfer_s=fw_stall + bw_stall,
-        activation_bytes=fw_live - baseline, peak_bytes=max(fw_peak, bw_peak) - baseline,
+        step_s=backward.end_s, forward_s=forward.end_s,
+        exposed_transfer_s=forward.stall_s + backward.stall_s,
+        activation_bytes=forward.live_bytes - baseline,
+        peak_bytes=max(forward.peak_bytes, backward.peak_bytes) - baseline,
         offloaded_bytes=sum(_storage_bytes(n) for n in fw.graph.find_nodes(
             op="call_function", target=ops.offload)),
-        host_wait_s=host_wait, timings=tuple(timings), copies=tuple(copies),
+        host_wait_s=backward.host_wait_s, timings=tuple(timings), copies=tuple(copies),
         host=tuple(host.timings))
 
 

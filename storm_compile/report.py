@@ -76,9 +76,9 @@ def schedule_rows(graphs: StormGraphs, prediction: Prediction) -> list[ScheduleR
             elif node.target is ops.wait_event:
                 event = f"wait {events[node.args[0]]}"
             elif node.target is ops.accumulate_grad:
-                event = f"host adds after {events[node.args[0].args[0]]}"
+                event = f"add after {events[node.args[0].args[0]]}"
             elif node.target is ops.wait_host:
-                event = f"host waits {len(node.args[0])} additions"
+                event = f"wait {len(node.args[0])} adds"
             decision = decisions.get(node.name) if name == "fw" else None
             rows.append(ScheduleRow(
                 graph=name, node=node.name, op=_op_name(node), stream=str(stream),
@@ -166,14 +166,6 @@ def _readable(key: str, value: object) -> str:
     return str(value)
 
 
-def format_table(annotated: dict[str, object]) -> str:
-    """Every node of both graphs, then every summary figure (``storm schedule --nodes``)."""
-    table = tabulate(annotated["nodes"], headers="keys", tablefmt="simple", floatfmt=".1f")
-    totals = tabulate([(k, _readable(k, v)) for k, v in annotated["summary"].items()],
-                      headers=["summary", "value"], disable_numparse=True)
-    return f"{table}\n\n{totals}"
-
-
 SIZE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 REASON_WIDTH = 64
 """Characters of a reason the storage table shows, keeping it within about 100 columns; the JSON
@@ -188,6 +180,45 @@ def _size(nbytes: int) -> str:
     if unit == 0:
         return f"{nbytes} B"
     return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f} {SIZE_UNITS[unit]}"
+
+
+NAME_WIDTH = 21
+"""Characters of a node's or op's name the ``--nodes`` table shows (a longer one keeps its
+start and its end, where a node's number is, around "…"; the JSON has it whole): a row stays
+within 120 columns."""
+
+
+def _cut(text: str, width: int = NAME_WIDTH) -> str:
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return f"{text[:head]}…{text[len(text) - (width - 1 - head):]}"
+
+
+def _us(value: float) -> str:
+    return f"{value:.1f}" if value else ""
+
+
+NODE_TEXT = (("node", "node", _cut, "<"),
+             ("op", "op", lambda v: _cut(v.removesuffix(".default")), "<"),
+             ("stream", "lane", str, "<"), ("compute_us", "µs", _us, ">"),
+             ("transfer_bytes", "copy", lambda v: _size(v) if v else "", ">"),
+             ("transfer_us", "copy µs", _us, ">"), ("event", "event", str, "<"),
+             ("memory_after", "memory", _size, ">"),
+             ("decision", "decision", lambda v: v.split(":")[0], "<"))
+"""The columns of ``storm schedule --nodes``: field, header, how a value reads, alignment. A
+decision shows its action (the storage table and the JSON give the reason)."""
+
+
+def format_table(annotated: dict[str, object]) -> str:
+    """Every node of both graphs, each graph under its name, then every summary figure
+    (``storm schedule --nodes``)."""
+    tables = [f"{title}\n" + _text_table([r for r in annotated["nodes"] if r["graph"] == graph],
+                                         NODE_TEXT)
+              for graph, title in (("fw", "forward"), ("bw", "backward"))]
+    totals = tabulate([(k, _readable(k, v)) for k, v in annotated["summary"].items()],
+                      headers=["summary", "value"], disable_numparse=True)
+    return "\n\n".join([*tables, totals])
 
 
 def _change(before: float, after: float) -> str:
@@ -339,12 +370,16 @@ def format_pareto(points: list[dict[str, object]]) -> str:
 
 
 def _text_table(rows: list[dict[str, object]], columns) -> str:
-    """``rows`` as a table of right-aligned ``columns`` (field, header, how a value reads), two
-    spaces apart, the headers over a rule: numbers and sizes line up at their units."""
-    cells = [[header for _, header, _ in columns],
-             *([show(r[key]) for key, _, show in columns] for r in rows)]
+    """``rows`` as a table of ``columns`` (field, header, how a value reads, and ``"<"`` for a
+    left-aligned one; right-aligned otherwise, so numbers and sizes line up at their units), two
+    spaces apart, the headers over a rule."""
+    cells = [[column[1] for column in columns],
+             *([column[2](r[column[0]]) for column in columns] for r in rows)]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in cells]
+    left = [len(column) > 3 and column[3] == "<" for column in columns]
+    lines = ["  ".join(cell.ljust(width) if flush else cell.rjust(width)
+                       for cell, width, flush in zip(line, widths, left)).rstrip()
+             for line in cells]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
 

@@ -662,13 +662,20 @@ def smoke_threads(smoke: bool) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def main(argv=None) -> int:
-    args = _parse(argv)
-    if cuda_missing("step_overhead", args.smoke):
+def run_benchmark(benchmark: str, args: argparse.Namespace,
+                  run: Callable[[argparse.Namespace], None]) -> int:
+    """A benchmark's ``main`` once its arguments are parsed: :data:`EXIT_NO_CUDA` where it
+    needs CUDA and has none (``cuda_missing``), else ``run(args)`` under :func:`smoke_threads`
+    and 0."""
+    if cuda_missing(benchmark, args.smoke):
         return EXIT_NO_CUDA
     with smoke_threads(args.smoke):
-        _run(args)
+        run(args)
     return 0
+
+
+def main(argv=None) -> int:
+    return run_benchmark("step_overhead", _parse(argv), _run)
 
 
 def _run(args) -> None:

@@ -85,9 +85,9 @@ from torch._dynamo.utils import counters
 from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,
                           TrainingArguments)
 
-from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _ratio
-from benchmarks.compile_time import cuda_missing, error_line, write
-from benchmarks.step_overhead import _paired_ratio, smoke_threads, timed_rounds
+from benchmarks.activation_memory import CPU_STORM_OPTIONS, _Device, _ratio
+from benchmarks.compile_time import error_line, write
+from benchmarks.step_overhead import _paired_ratio, run_benchmark, timed_rounds
 from benchmarks.streaming import ALLOCATOR, SMOKE_RESIDENT_BYTES
 from storm_compile import storm
 from storm_compile.streaming import DEFAULT_RESIDENT_BYTES, stream_parameters
@@ -784,11 +784,7 @@ def environment(run: Run) -> dict:
 def main(argv=None) -> int:
     args = _parse(argv)
     os.environ.setdefault(*ALLOCATOR)
-    if cuda_missing("trainer", args.smoke):
-        return EXIT_NO_CUDA
-    with smoke_threads(args.smoke):
-        _run(args)
-    return 0
+    return run_benchmark("trainer", args, _run)
 
 
 def _run(args) -> None:

@@ -1,8 +1,10 @@
-"""The storm pipeline, in the order it runs: capture → annotate costs → plan → insert
-transfers → verify → agree across ranks → compile.
+"""The storm pipeline, in the order it runs: capture → joint-graph passes → split → annotate
+costs → plan → insert transfers → verify (after every pass) → agree across ranks → compile.
 
 Capture and compile belong to AOTAutograd and the inner compiler; storm's part sits between
-them, in :func:`storm_partition`, which AOTAutograd calls with the joint graph.
+them, in :func:`storm_partition`, which AOTAutograd calls with the joint graph. For a streamed
+graph under a byte budget, :func:`plan_within_budget` searches among plans; it plans against
+``PassContext.limits`` and never rewrites the user's options.
 """
 
 from __future__ import annotations

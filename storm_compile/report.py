@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tabulate import tabulate
 from torch import fx
@@ -182,6 +182,18 @@ def _size(nbytes: int) -> str:
     return f"{value:.{2 if value < 10 else 1 if value < 100 else 0}f} {SIZE_UNITS[unit]}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column of a text table: the row field it shows, its header, how a value reads, and
+    whether it is left-aligned (text) rather than right-aligned (numbers and sizes, which then
+    line up at their units)."""
+
+    field: str
+    header: str
+    show: Callable[[object], str]
+    left: bool = False
+
+
 NAME_WIDTH = 21
 """Characters of a node's or op's name the ``--nodes`` table shows (a longer one keeps its
 start and its end, where a node's number is, around "…"; the JSON has it whole): a row stays
@@ -199,15 +211,15 @@ def _us(value: float) -> str:
     return f"{value:.1f}" if value else ""
 
 
-NODE_TEXT = (("node", "node", _cut, "<"),
-             ("op", "op", lambda v: _cut(v.removesuffix(".default")), "<"),
-             ("stream", "lane", str, "<"), ("compute_us", "µs", _us, ">"),
-             ("transfer_bytes", "copy", lambda v: _size(v) if v else "", ">"),
-             ("transfer_us", "copy µs", _us, ">"), ("event", "event", str, "<"),
-             ("memory_after", "memory", _size, ">"),
-             ("decision", "decision", lambda v: v.split(":")[0], "<"))
-"""The columns of ``storm schedule --nodes``: field, header, how a value reads, alignment. A
-decision shows its action (the storage table and the JSON give the reason)."""
+NODE_TEXT = (Column("node", "node", _cut, left=True),
+             Column("op", "op", lambda v: _cut(v.removesuffix(".default")), left=True),
+             Column("stream", "lane", str, left=True), Column("compute_us", "µs", _us),
+             Column("transfer_bytes", "copy", lambda v: _size(v) if v else ""),
+             Column("transfer_us", "copy µs", _us), Column("event", "event", str, left=True),
+             Column("memory_after", "memory", _size),
+             Column("decision", "decision", lambda v: v.split(":")[0], left=True))
+"""The columns of ``storm schedule --nodes``. A decision shows its action (the storage table
+and the JSON give the reason)."""
 
 
 def format_table(annotated: dict[str, object]) -> str:
@@ -330,10 +342,6 @@ def chrome_trace(prediction: Prediction) -> dict[str, object]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-PARETO_COLUMNS = ("budget_bytes", "predicted_step_ms", "step_ratio", "activation_bytes",
-                  "peak_bytes", "offloaded_bytes", "recomputed_bytes", "frontier")
-
-
 def pareto_points(summaries: list[dict[str, object]]) -> list[dict[str, object]]:
     """One row per planned budget, with the step time relative to no storm, and whether the
     point is on the frontier (no other point is at least as fast with no more memory)."""
@@ -355,30 +363,27 @@ def _ms(value: float) -> str:
     return f"{value:.2f}"
 
 
-PARETO_TEXT = (("budget_bytes", "budget", _size), ("predicted_step_ms", "step ms", _ms),
-               ("step_ratio", "× no storm", lambda v: f"{v:.3f}"),
-               ("activation_bytes", "activations", _size), ("peak_bytes", "peak", _size),
-               ("offloaded_bytes", "offloaded", _size),
-               ("recomputed_bytes", "recomputed", _size),
-               ("frontier", "frontier", lambda v: "yes" if v else ""))
-"""The columns of ``storm pareto``'s table: field, header, how a value reads (sizes once, in
-binary units; the JSON keeps every field's exact value)."""
+PARETO_TEXT = (Column("budget_bytes", "budget", _size),
+               Column("predicted_step_ms", "step ms", _ms),
+               Column("step_ratio", "× no storm", lambda v: f"{v:.3f}"),
+               Column("activation_bytes", "activations", _size),
+               Column("peak_bytes", "peak", _size), Column("offloaded_bytes", "offloaded", _size),
+               Column("recomputed_bytes", "recomputed", _size),
+               Column("frontier", "frontier", lambda v: "yes" if v else ""))
+"""The columns of ``storm pareto``'s table (sizes once, in binary units; the JSON keeps every
+field's exact value)."""
 
 
 def format_pareto(points: list[dict[str, object]]) -> str:
     return _text_table(points, PARETO_TEXT)
 
 
-def _text_table(rows: list[dict[str, object]], columns) -> str:
-    """``rows`` as a table of ``columns`` (field, header, how a value reads, and ``"<"`` for a
-    left-aligned one; right-aligned otherwise, so numbers and sizes line up at their units), two
-    spaces apart, the headers over a rule."""
-    cells = [[column[1] for column in columns],
-             *([column[2](r[column[0]]) for column in columns] for r in rows)]
+def _text_table(rows: list[dict[str, object]], columns: Sequence[Column]) -> str:
+    """``rows`` as a table of ``columns``, two spaces apart, the headers over a rule."""
+    cells = [[c.header for c in columns], *([c.show(r[c.field]) for c in columns] for r in rows)]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    left = [len(column) > 3 and column[3] == "<" for column in columns]
-    lines = ["  ".join(cell.ljust(width) if flush else cell.rjust(width)
-                       for cell, width, flush in zip(line, widths, left)).rstrip()
+    lines = ["  ".join(cell.ljust(width) if c.left else cell.rjust(width)
+                       for cell, width, c in zip(line, widths, columns)).rstrip()
              for line in cells]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
@@ -400,16 +405,17 @@ def throughput_row(summary: dict[str, object], step: StepPrediction) -> dict[str
             "host_wait_ms": step.host_wait_s * MS, "optimizer_ms": step.optimizer_s * MS}
 
 
-THROUGHPUT_TEXT = (("tokens", "tokens", str), ("micro_batches", "µbatches", str),
-                   ("predicted_tokens_per_s", "tokens/s", lambda v: f"{v:.0f}"),
-                   ("optimizer_step_ms", "step ms", _ms), ("micro_batch_ms", "µbatch ms", _ms),
-                   ("host_wait_ms", "wait ms", _ms), ("optimizer_ms", "optim ms", _ms),
-                   ("exposed_transfer_ms", "exposed ms", _ms),
-                   ("activation_bytes", "activations", _size), ("device_bytes", "device", _size),
-                   ("streamed_weight_bytes", "streamed", _size),
-                   ("resident_weight_bytes", "resident", _size))
-"""The columns of ``storm throughput``'s table, in the order of :data:`THROUGHPUT_FIELDS`:
-field, header, how a value reads."""
+THROUGHPUT_TEXT = (Column("tokens", "tokens", str), Column("micro_batches", "µbatches", str),
+                   Column("predicted_tokens_per_s", "tokens/s", lambda v: f"{v:.0f}"),
+                   Column("optimizer_step_ms", "step ms", _ms),
+                   Column("micro_batch_ms", "µbatch ms", _ms),
+                   Column("host_wait_ms", "wait ms", _ms), Column("optimizer_ms", "optim ms", _ms),
+                   Column("exposed_transfer_ms", "exposed ms", _ms),
+                   Column("activation_bytes", "activations", _size),
+                   Column("device_bytes", "device", _size),
+                   Column("streamed_weight_bytes", "streamed", _size),
+                   Column("resident_weight_bytes", "resident", _size))
+"""The columns of ``storm throughput``'s table, in the order of :data:`THROUGHPUT_FIELDS`."""
 
 
 def format_throughput(rows: list[dict[str, object]]) -> str:

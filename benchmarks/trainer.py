@@ -335,7 +335,7 @@ class StepTimer(TrainerCallback):
             self.step_begin = max(self.step_begin, self.dev.allocated())
         if self.recording:
             self.before = self.dev.allocated()
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
         self.begin = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -356,9 +356,10 @@ class StepTimer(TrainerCallback):
 
 
 def owner(frames: list[dict]) -> str:
-    """Who allocated a block: the first two frames outside torch (generated Inductor code,
-    storm, transformers, the Trainer), each with its source line where it can be read."""
-    kept = [f for f in frames if not any(part in f["filename"] for part in TORCH_FRAMES)]
+    """Who allocated a block: the first two Python frames outside torch (generated Inductor
+    code, storm, transformers, the Trainer), each with its source line where it can be read."""
+    kept = [f for f in frames if f["filename"].endswith(".py")
+            and not any(part in f["filename"] for part in TORCH_FRAMES)]
     return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}"
                       f" `{linecache.getline(f['filename'], f['line']).strip()[:OWNER_TEXT]}`"
                       for f in kept[:OWNER_FRAMES]) or "torch"

@@ -125,6 +125,22 @@ def _is_causal(node: fx.Node) -> bool:
     return False
 
 
+HEAD_DIM = 1
+"""The heads dimension of an attention op's 4-D (batch, heads, tokens, head size) tensors."""
+
+
+def _ungrouped(args: list) -> list:
+    """An attention op's tensor arguments with grouped key/value heads (grouped-query attention:
+    fewer key/value heads than query heads) repeated to the query's, as meta tensors: the work
+    each query head does is the same, and torch 2.11's formulas reject unequal heads."""
+    heads = max((a.shape[HEAD_DIM] for a in args
+                 if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
+    return [torch.empty((*a.shape[:HEAD_DIM], heads, *a.shape[HEAD_DIM + 1:]), dtype=a.dtype,
+                        device="meta")
+            if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[HEAD_DIM] != heads else a
+            for a in args]
+
+
 def node_flops(node: fx.Node) -> int:
     """FLOPs of ``node`` by torch's flop-counter formulas (0 for ops without one)."""
     packet = getattr(node.target, "overloadpacket", None)
@@ -133,6 +149,8 @@ def node_flops(node: fx.Node) -> int:
     if formula is None:
         return 0
     args = [_value(a) for a in node.args]
+    if packet in ATTENTION_OPS:
+        args = _ungrouped(args)
     kwargs = {k: _value(v) for k, v in node.kwargs.items()}
     flops = hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
     return int(flops * CAUSAL_WORK_FRACTION) if _is_causal(node) else int(flops)

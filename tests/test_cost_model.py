@@ -62,6 +62,18 @@ def test_causal_attention_does_half_the_work():
     assert CostModel(TEST).compute_seconds(full) == pytest.approx(expected)
 
 
+def test_grouped_query_attention_costs_what_its_query_heads_do():
+    """Key and value with fewer heads than the query (grouped-query attention, as in Llama 3)
+    are priced as if repeated to the query's heads, on every torch (2.11's formula rejects
+    unequal heads)."""
+    def attend(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+
+    query, grouped = (1, 4, 128, 64), (1, 2, 128, 64)
+    assert node_flops(_node(attend, query, grouped, grouped)) == \
+        node_flops(_node(attend, query, query, query)) == 4 * 4 * 128 * 128 * 64
+
+
 def test_override_and_cache():
     node = _node(torch.mm, (8, 8), (8, 8))
     assert CostModel(TEST, override=lambda n: 0.5).compute_seconds(node) == 0.5

@@ -1,5 +1,6 @@
 """The memory planner: budgets met, numerics kept, recomputation driven through the partitioner."""
 
+import operator
 import warnings
 
 import pytest
@@ -197,3 +198,34 @@ def test_no_prefetch_is_read_before_its_wait_under_a_budget():
         readers = [u for u in source.users if u not in (prefetch, wait)]
         assert not readers
         assert all(order[u] > order[wait] for u in wait.users if isinstance(u, fx.Node))
+
+
+def test_recomputations_never_chain_two_links():
+    """A recomputation may read one other (one link: it is rebuilt one step early), never one
+    that reads a third: the partitioner would rebuild the whole chain at its last link's first
+    use (each residual sum from the one before, at the top of the backward) and hold it."""
+    from types import SimpleNamespace
+
+    from storm_compile.plan import Action
+    from storm_compile.passes.plan_memory import _Rebuilds
+
+    def layers(x):
+        for _ in range(4):
+            x = x + torch.relu(x)
+        return x
+
+    graph = fx.symbolic_trace(layers).graph
+    sums = [n for n in graph.nodes if n.op == "call_function" and n.target is operator.add]
+
+    def rebuild(node):
+        chain = (node, *(a for a in node.all_input_nodes if a.target is torch.relu))
+        return SimpleNamespace(action=Action.RECOMPUTE, root=node, chain=chain,
+                               storage=SimpleNamespace(members=()))
+
+    rebuilds = _Rebuilds()
+    first, second, third, fourth = map(rebuild, sums)
+    rebuilds.take(second)
+    assert not rebuilds.clashes(first) and not rebuilds.clashes(third)
+    rebuilds.take(third)
+    assert rebuilds.clashes(first) and rebuilds.clashes(fourth)
+    assert not rebuilds.clashes(SimpleNamespace(action=Action.OFFLOAD))

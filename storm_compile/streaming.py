@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 from torch import fx, nn
@@ -30,6 +32,7 @@ from torch.nn.utils import parametrize
 from storm_compile import ops
 from storm_compile.cycles import OVERLAPPABLE, step_parameter
 from storm_compile.host_residency import keep_on_host
+from storm_compile.quantize import Packed, StormQuantizeError, check, dequantize, quantize
 from storm_compile.runtime import _TENSOR_GRAD, get_runtime, pin_quickly
 from storm_compile.torch_private import DisableTorchFunctionSubclass, is_in_torch_dispatch_mode
 from storm_compile.vocabulary import GIB, MIB, tensor_bytes
@@ -139,13 +142,28 @@ class _Fetch(nn.Module):
         self.device = device
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return _fetch(weight, self.device)
+        return _outside_traces(self.read(weight))
+
+    def read(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight on the device, as a traced graph computes it."""
+        return torch.ops.storm.fetch_weight(weight, self.device)
 
 
-def _fetch(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``weight``'s copy on ``device`` (a :class:`DeviceCopy` where it is a real tensor read
-    outside a compile or a trace)."""
-    copy = torch.ops.storm.fetch_weight(weight, device)
+class _Dequantize(_Fetch):
+    """The parametrization of a frozen streamed parameter held in a host format
+    (:mod:`storm_compile.quantize`): its packed bytes copied to the device and rebuilt there."""
+
+    def __init__(self, device: torch.device, packed: Packed) -> None:
+        super().__init__(device)
+        self.packed = packed
+
+    def read(self, weight: torch.Tensor) -> torch.Tensor:
+        return dequantize(torch.ops.storm.fetch_weight(weight, self.device), self.packed)
+
+
+def _outside_traces(copy: torch.Tensor) -> torch.Tensor:
+    """``copy`` as a :class:`DeviceCopy` where it is a real tensor read outside a compile or a
+    trace."""
     traced = torch.compiler.is_compiling() or is_in_torch_dispatch_mode() \
         or type(copy) is not torch.Tensor
     return copy if traced else copy.as_subclass(DeviceCopy)
@@ -162,8 +180,8 @@ def _read_streamed(module: nn.Module, name: str) -> None:
 
     Torch's getter calls the parametrization list and then ``_Fetch``; Dynamo inlines both at
     every read of every streamed weight, at every process start (a warm start included). This
-    getter reads the list and ``_Fetch`` from the module's ``__dict__`` and calls
-    ``storm.fetch_weight`` itself, which traces at a fraction of that cost. It keeps torch's
+    getter reads the list and ``_Fetch`` from the module's ``__dict__`` and calls its
+    ``read`` itself, which traces at a fraction of that cost. It keeps torch's
     setter; a parametrization stacked on the weight later is applied through the list's call."""
     torch_property = getattr(type(module), name)
     chain = module.parametrizations[name]
@@ -174,8 +192,8 @@ def _read_streamed(module: nn.Module, name: str) -> None:
         if len(chain) != 1:
             return chain()
         if torch.compiler.is_compiling():
-            return torch.ops.storm.fetch_weight(chain.original, fetch.device)
-        return _fetch(chain.original, fetch.device)
+            return fetch.read(chain.original)
+        return _outside_traces(fetch.read(chain.original))
 
     setattr(type(module), name, property(read, torch_property.fset))
 
@@ -187,9 +205,12 @@ class Streamed:
     names: tuple[str, ...]
     """Parameters now in host memory, by their ``named_parameters`` names before streaming."""
     host_bytes: int
-    """Bytes of those parameters."""
+    """Bytes those parameters hold in host memory (in their host format)."""
     resident: tuple[str, ...]
     """Parameters left on the device (smaller than ``resident_bytes``)."""
+    formats: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The streamed parameters held in a host format (``"int8"``, ``"nf4"``), by name; the
+    others keep their dtype."""
 
 
 def available_host_bytes() -> int:
@@ -205,39 +226,140 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _rename(prefix: str, names: tuple[str, ...], state: dict, to_original: bool) -> None:
+def _packing(module: nn.Module, name: str) -> Packed | None:
+    fetch = module.parametrizations[name][0]
+    return fetch.packed if isinstance(fetch, _Dequantize) else None
+
+
+def _saved(module: nn.Module, prefix: str, names: tuple[str, ...], state: dict) -> None:
+    """``state_dict``: each streamed weight under the model's own key; one held in a host
+    format as the weight the model computes with (rebuilt on the host, in its dtype)."""
     for name in names:
         original = f"{prefix}parametrizations.{name}.original"
+        if original not in state:
+            continue
+        value = state.pop(original)
+        packed = _packing(module, name)
+        state[f"{prefix}{name}"] = value if packed is None else dequantize(value, packed)
+
+
+def _loading(module: nn.Module, prefix: str, names: tuple[str, ...], state: dict) -> None:
+    """``load_state_dict``: each streamed weight from the model's own key; one held in a host
+    format packed into it first."""
+    for name in names:
         plain = f"{prefix}{name}"
-        source, target = (plain, original) if to_original else (original, plain)
-        if source in state:
-            state[target] = state.pop(source)
+        if plain not in state:
+            continue
+        value = state.pop(plain)
+        packed = _packing(module, name)
+        if packed is not None:
+            check(packed.format, tuple(value.shape), plain)
+            value = quantize(value.to(packed.dtype), packed.format)[0]
+        state[f"{prefix}parametrizations.{name}.original"] = value
 
 
 def _register_state_dict_names(module: nn.Module, names: tuple[str, ...]) -> None:
     """Keep the model's own state_dict keys (``weight``, not
     ``parametrizations.weight.original``) on save and on load."""
     module._register_state_dict_hook(
-        lambda mod, state, prefix, metadata: _rename(prefix, names, state, to_original=False))
+        lambda mod, state, prefix, metadata: _saved(mod, prefix, names, state))
     module.register_load_state_dict_pre_hook(
-        lambda mod, state, prefix, *rest: _rename(prefix, names, state, to_original=True))
+        lambda mod, state, prefix, *rest: _loading(mod, prefix, names, state))
+
+
+HostFormats = str | dict[str, str | None] | None
+"""``stream_parameters``' ``host_format``: one format for every streamed parameter, or one per
+module name (the longest name that is the parameter's module or a module above it wins; ``""``
+is the whole model; None keeps the dtype)."""
+
+
+def _format_of(host_format: HostFormats, module_name: str) -> str | None:
+    if not isinstance(host_format, dict):
+        return host_format
+    owners = [key for key in host_format
+              if key == "" or module_name == key or module_name.startswith(key + ".")]
+    return host_format[max(owners, key=len)] if owners else None
+
+
+class _Source:
+    """Where a streamed parameter's values come from: itself, or (on the meta device) the
+    ``weights`` mapping :func:`stream_parameters` was given."""
+
+    def __init__(self, weights) -> None:
+        self.weights = weights
+
+    def value(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        if param.device.type != "meta":
+            return param.data
+        if self.weights is None or name not in self.weights:
+            raise ValueError(f"stream_parameters: {name} is on the meta device and "
+                             f"{'no weights were given' if self.weights is None else 'weights has no such key'}"
+                             f"; pass weights= (a mapping such as checkpoint_weights(path)) "
+                             f"holding every parameter built on the meta device")
+        value = self.weights[name]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"stream_parameters: weights[{name!r}] has shape "
+                             f"{tuple(value.shape)}, the model's parameter {tuple(param.shape)}")
+        return value.to(param.dtype)
+
+
+def _set_data(model: nn.Module, param: nn.Parameter, value: torch.Tensor,
+              streamed: bool) -> nn.Parameter:
+    """Give ``param`` the data ``value``, returning the parameter that now holds it: ``param``
+    itself (a :class:`HostParameter` where it is ``streamed``), or, for a parameter on
+    the meta device (whose data cannot change device), a new one put in its place in every
+    module of ``model`` that holds it."""
+    if not param.is_meta:
+        param.data = value
+        held = param
+    else:
+        held = nn.Parameter(value, requires_grad=param.requires_grad)
+        for module in model.modules():
+            for name, owned in module._parameters.items():
+                if owned is param:
+                    module._parameters[name] = held
+    if streamed and type(held) is nn.Parameter:
+        held.__class__ = HostParameter
+    return held
+
+
+def _host_bytes(param: torch.Tensor, format: str | None) -> int:
+    if format is None:
+        return param.numel() * param.element_size()
+    return Packed(format, tuple(param.shape), param.dtype).nbytes
 
 
 def stream_parameters(model: nn.Module, device: torch.device | str,
                       resident_bytes: int = DEFAULT_RESIDENT_BYTES, *,
                       optimizer_states: int = ADAMW_STATES,
-                      host_check: bool = True) -> Streamed:
+                      host_check: bool = True, host_format: HostFormats = None,
+                      weights=None) -> Streamed:
     """Move ``model``'s parameters of at least ``resident_bytes`` to host memory, read on
     ``device`` through ``storm.fetch_weight``; smaller ones move to ``device`` and stay there.
 
-    Raises :class:`StormHostMemoryError`, before anything moves, when the host does not have
-    room for the streamed parameters, their gradients and ``optimizer_states`` tensors of their
-    size per parameter that the optimizer over them will keep on the host (2 for Adam and
-    AdamW, 1 for SGD with momentum, 0 for plain SGD or an optimizer elsewhere); its state is
-    made at its first step, after the first forward and backward, where running out of host
-    memory would lose that work. ``host_check=False`` skips the check, for a model of fake
-    tensors planned for another machine. Raises ``ValueError`` when ``model`` already streams
-    or ``optimizer_states`` is negative."""
+    ``host_format`` holds frozen streamed parameters (``requires_grad=False``) in 8 or 4 bits
+    (``"int8"``, ``"nf4"``; :mod:`storm_compile.quantize`): for the whole model, or per module
+    (:data:`HostFormats`). Their packed bytes cross the link and are rebuilt on the device; the
+    model computes with the rebuilt weights, and ``state_dict`` gives them (and
+    ``load_state_dict`` packs what it is given). A trainable parameter under a format raises
+    :class:`~storm_compile.quantize.StormQuantizeError`, as does a weight the format cannot
+    hold (fewer than 2 dimensions; for nf4, a size not a multiple of its block).
+
+    A model built on the meta device is materialised one parameter at a time from ``weights``
+    (a mapping from ``named_parameters`` names to tensors, such as :func:`checkpoint_weights`
+    of a safetensors checkpoint), each put straight into (pinned) host memory, packed on the
+    way where it has a host format, or on ``device`` where it stays resident: the model is never
+    held whole in its dtype.
+
+    Raises :class:`StormHostMemoryError`, before anything moves or loads, when the host does not
+    have room for the streamed parameters (in their host formats), the gradients of the
+    trainable ones and ``optimizer_states`` tensors of their size per trainable parameter that
+    the optimizer over them will keep on the host (2 for Adam and AdamW, 1 for SGD with
+    momentum, 0 for plain SGD or an optimizer elsewhere); its state is made at its first step,
+    after the first forward and backward, where running out of host memory would lose that
+    work. ``host_check=False`` skips the check, for a model of fake tensors planned for another
+    machine. Raises ``ValueError`` when ``model`` already streams or ``optimizer_states`` is
+    negative."""
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) \
             or optimizer_states < 0:
         raise ValueError(f"stream_parameters: optimizer_states must be an int >= 0, got "
@@ -248,42 +370,104 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
                          "already?); call it once, on a plain model")
     streamed, resident = [], []
     owners: dict[nn.Module, list[str]] = {}
+    formats: dict[int, str] = {}
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{name}" if module_name else name
             big = param.numel() * param.element_size() >= resident_bytes
             (streamed if big else resident).append((full, param))
-            if big:
-                owners.setdefault(module, []).append(name)
-    unique = {id(p): p for _, p in streamed}
-    host_bytes = sum(p.numel() * p.element_size() for p in unique.values())
+            if not big:
+                continue
+            owners.setdefault(module, []).append(name)
+            format = _format_of(host_format, module_name)
+            if format is not None:
+                check(format, tuple(param.shape), full)
+                if param.requires_grad:
+                    raise StormQuantizeError(
+                        f"stream_parameters: host_format {format!r} covers {full}, which "
+                        f"trains (requires_grad=True); trainable weights are never quantized: "
+                        f"freeze it first, or give its module None in host_format")
+                formats[id(param)] = format
+    unique = {id(p): (n, p) for n, p in streamed}
+    stored = {key: _host_bytes(p, formats.get(key)) for key, (_, p) in unique.items()}
+    host_bytes = sum(stored.values())
+    trainable = sum(stored[key] for key, (_, p) in unique.items() if p.requires_grad)
     available = available_host_bytes()
-    needed = (HOST_COPIES + optimizer_states) * host_bytes
+    needed = host_bytes + (HOST_COPIES - 1 + optimizer_states) * trainable
     if host_check and needed > available:
         raise StormHostMemoryError(
-            f"stream_parameters: the streamed parameters, their gradients and "
-            f"{optimizer_states} optimizer state tensor(s) each (optimizer_states) need "
-            f"{needed} bytes ({needed / GIB:.2f} GiB) of host memory; {available} bytes "
-            f"({available / GIB:.2f} GiB) are available")
+            f"stream_parameters: the streamed parameters ({host_bytes} bytes in host memory), "
+            f"the gradients of the trainable ones and {optimizer_states} optimizer state "
+            f"tensor(s) each (optimizer_states) need {needed} bytes ({needed / GIB:.2f} GiB) "
+            f"of host memory; {available} bytes ({available / GIB:.2f} GiB) are available")
+    source = _Source(weights)
     pin = torch.cuda.is_available()
     if pin:
         pin_quickly()
-    for param in unique.values():
-        host = param.data.to("cpu")
-        param.data = host.pin_memory() if pin else host
-        if type(param) is nn.Parameter:
-            param.__class__ = HostParameter
+    packed: dict[int, Packed] = {}
+    ids = {key: key for key in unique}
+    for key, (name, param) in unique.items():
+        value = source.value(name, param)
+        if key in formats:
+            data, packed[key] = quantize(value, formats[key])
+            host = data.to("cpu")
+        else:
+            host = value.to("cpu")
+        ids[id(_set_data(model, param, host.pin_memory() if pin else host, True))] = key
+        del value
     get_runtime().watch_optimizers()
-    for _, param in resident:
-        param.data = param.data.to(device)
+    for name, param in resident:
+        _set_data(model, param, source.value(name, param).to(device), False)
     for module, names in owners.items():
         for name in names:
-            parametrize.register_parametrization(module, name, _Fetch(device), unsafe=True)
+            key = ids[id(getattr(module, name))]
+            fetch = _Dequantize(device, packed[key]) if key in packed else _Fetch(device)
+            parametrize.register_parametrization(module, name, fetch, unsafe=True)
             _read_streamed(module, name)
             keep_on_host(module, name)
         _register_state_dict_names(module, tuple(names))
     return Streamed(names=tuple(n for n, _ in streamed), host_bytes=host_bytes,
-                    resident=tuple(n for n, _ in resident))
+                    resident=tuple(n for n, _ in resident),
+                    formats={n: formats[id(p)] for n, p in streamed if id(p) in formats})
+
+
+def checkpoint_weights(path: str | os.PathLike) -> Mapping[str, torch.Tensor]:
+    """The tensors of a safetensors checkpoint (one ``.safetensors`` file, or a directory with
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``), read from disk one at
+    a time when looked up: for :func:`stream_parameters`' ``weights``. Needs the
+    ``safetensors`` package (installed with transformers; ``pip install safetensors``)."""
+    return _Checkpoint(Path(path))
+
+
+class _Checkpoint(Mapping):
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        if path.is_dir():
+            index = path / "model.safetensors.index.json"
+            if index.exists():
+                shards = json.loads(index.read_text())["weight_map"]
+                files = {name: path / shard for name, shard in shards.items()}
+            else:
+                path = path / "model.safetensors"
+                files = None
+        else:
+            files = None
+        if files is None:
+            with safe_open(str(path), framework="pt") as handle:
+                files = dict.fromkeys(handle.keys(), path)
+        self.files = files
+        self.open = safe_open
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with self.open(str(self.files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
 
 
 def overlap_optimizer(optimizer: torch.optim.Optimizer, enabled: bool = True, *,

@@ -1,0 +1,230 @@
+"""Frozen streamed weights held in int8 and NF4 host formats (storm_compile.quantize)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import CPU_TEST_OPTIONS
+from storm_compile import storm, streaming
+from storm_compile.backend import StormBackend
+from storm_compile.config import StormConfig
+from storm_compile.graphs import saved_values
+from storm_compile.models import build_llama
+from storm_compile.quantize import (
+    INT8_LEVELS,
+    NF4_BLOCK,
+    NF4_CODE,
+    Packed,
+    StormQuantizeError,
+    dequantize,
+    quantize,
+)
+from storm_compile.shapes import LLAMA_PRESETS
+from storm_compile.streaming import StormHostMemoryError, checkpoint_weights, stream_parameters
+
+SHAPE = LLAMA_PRESETS["tiny"]
+RESIDENT_BYTES = 8192
+"""Above the tiny model's norm weights and LoRA factors, below its smallest matrix."""
+RANK = 4
+FORMATS = ("int8", "nf4")
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer with a trainable low-rank update beside it."""
+
+    def __init__(self, base: nn.Linear, rank: int) -> None:
+        super().__init__()
+        self.base = base
+        self.a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features)
+        self.b = nn.Parameter(torch.randn(base.out_features, rank) / rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+def with_lora(model: nn.Module) -> nn.Module:
+    """``model`` frozen, with :class:`LoRALinear` adapters on every linear layer."""
+    model.requires_grad_(False)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, LoRALinear(child, RANK))
+    return model
+
+
+def _lora_llama(device: str = "cpu"):
+    torch.manual_seed(0)
+    model, batch = build_llama(SHAPE, device)
+    with torch.device(device):
+        return with_lora(model), batch
+
+
+def _big(param: torch.Tensor) -> bool:
+    return param.numel() * param.element_size() >= RESIDENT_BYTES
+
+
+def _as_held(model: nn.Module, format: str) -> nn.Module:
+    """A copy of ``model`` whose streamed-size frozen weights hold what ``format`` keeps of them,
+    resident (the unstreamed reference)."""
+    held = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in held.parameters():
+            if _big(param) and not param.requires_grad:
+                param.copy_(dequantize(*quantize(param, format)))
+    return held
+
+
+def _adapter_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_a_weight_packs_to_its_format_bytes_and_back(format):
+    weight = torch.randn(96, 128)
+    data, packed = quantize(weight, format)
+    codes = 96 * 128 if format == "int8" else 96 * 128 // 2
+    scales = 96 if format == "int8" else 96 * 128 // NF4_BLOCK
+    assert data.dtype == torch.uint8 and data.numel() == packed.nbytes == codes + 4 * scales
+    rebuilt = dequantize(data, packed)
+    assert rebuilt.shape == weight.shape and rebuilt.dtype == weight.dtype
+    if format == "int8":
+        step = weight.abs().amax(1, keepdim=True) / INT8_LEVELS
+        assert ((rebuilt - weight).abs() <= step / 2 + 1e-6).all()
+    else:
+        scale = weight.reshape(-1, NF4_BLOCK).abs().amax(1, keepdim=True)
+        values = (rebuilt.reshape(-1, NF4_BLOCK) / scale)
+        code = torch.tensor(NF4_CODE)
+        assert torch.isclose(values[..., None], code, atol=1e-6).any(-1).all()
+        nearest = (weight.reshape(-1, NF4_BLOCK)[..., None] / scale[..., None] - code) \
+            .abs().amin(-1)
+        torch.testing.assert_close((values - weight.reshape(-1, NF4_BLOCK) / scale).abs(),
+                                   nearest)
+
+
+def test_values_on_the_code_book_come_back_exactly():
+    scale = torch.tensor([3.0, 0.5]).repeat_interleave(NF4_BLOCK)
+    weight = (torch.tensor(NF4_CODE).repeat(2 * NF4_BLOCK // len(NF4_CODE)) * scale).view(2, 64)
+    assert torch.equal(dequantize(*quantize(weight, "nf4")), weight)
+    rows = torch.arange(-INT8_LEVELS, INT8_LEVELS + 1, dtype=torch.float32)[None] * 0.25
+    assert torch.equal(dequantize(*quantize(rows, "int8")), rows)
+
+
+@pytest.mark.parametrize("shape, format, message", [
+    ((128,), "int8", "2 or more dimensions"),
+    ((3, 7), "nf4", "blocks of 64"),
+    ((64, 64), "fp8", "unknown host format"),
+])
+def test_a_weight_a_format_cannot_hold_is_an_error(shape, format, message):
+    with pytest.raises(StormQuantizeError, match=message):
+        quantize(torch.zeros(shape), format)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("backend", ["eager", "storm"])
+def test_quantized_streaming_equals_the_held_weights_unstreamed(format, backend):
+    """Forward and every adapter's gradient equal the same quantized weights used resident;
+    the frozen weights get no gradient; the host holds the packed bytes."""
+    model, batch = _lora_llama()
+    reference = _as_held(model, format)
+    done = stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format=format)
+    assert set(done.formats) == set(done.names) and set(done.formats.values()) == {format}
+    assert done.host_bytes == sum(
+        Packed(format, tuple(p.shape), p.dtype).nbytes
+        for p in reference.parameters() if _big(p))
+    run = model if backend == "eager" else torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))
+    expected = (reference if backend == "eager" else torch.compile(reference,
+                                                                   backend="aot_eager"))(*batch)
+    loss = run(*batch)
+    expected.backward()
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    grads, wanted = _adapter_grads(model), _adapter_grads(reference)
+    assert grads.keys() == wanted.keys() and len(grads) == 2 * (7 * SHAPE.layers + 1)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, wanted[name])
+    host = [p for n, p in model.named_parameters() if "original" in n]
+    assert host and all(p.dtype == torch.uint8 and p.grad is None for p in host)
+
+
+def test_a_rebuilt_weight_is_never_saved_for_the_backward():
+    """The partitioner fetches and rebuilds a packed weight again in the backward: nothing the
+    forward saves has a streamed weight's shape."""
+    model, batch = _lora_llama()
+    shapes = {tuple(p.shape) for p in model.parameters() if _big(p)}
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4")
+    captured = []
+    backend = StormBackend(StormConfig.from_options(**CPU_TEST_OPTIONS),
+                           observer=captured.append)
+    torch.compile(model, backend=backend)(*batch).backward()
+    saved = [tuple(n.meta["val"].shape) for n in saved_values(captured[0])
+             if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert saved and not shapes & set(saved)
+
+
+def test_a_trainable_weight_under_a_format_is_an_error():
+    torch.manual_seed(0)
+    model, _ = build_llama(SHAPE)
+    with pytest.raises(StormQuantizeError, match="embed.weight, which trains"):
+        stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="int8")
+    assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+
+
+def test_formats_per_module_take_the_longest_name():
+    model, _ = _lora_llama()
+    formats = {"": "nf4", "blocks.0": "int8", "blocks.0.q": None}
+    done = stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format=formats)
+    assert done.formats["blocks.0.k.base.weight"] == "int8"
+    assert done.formats["blocks.1.q.base.weight"] == done.formats["lm_head.base.weight"] == "nf4"
+    assert "blocks.0.q.base.weight" in done.names and "blocks.0.q.base.weight" not in done.formats
+    assert model.blocks[0].q.base.parametrizations.weight.original.dtype == torch.float32
+
+
+def test_state_dict_gives_the_rebuilt_weights_and_loading_packs_them():
+    model, batch = _lora_llama()
+    reference = _as_held(model, "int8")
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="int8")
+    state = model.state_dict()
+    assert state.keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
+    other, _ = _lora_llama()
+    stream_parameters(other, "cpu", resident_bytes=RESIDENT_BYTES, host_format="int8")
+    with torch.no_grad():
+        for param in other.parameters():
+            param.zero_()
+    other.load_state_dict(state)
+    torch.testing.assert_close(other(*batch), reference(*batch))
+
+
+def test_host_memory_counts_frozen_weights_once_in_their_format(monkeypatch):
+    """A frozen weight needs no gradient or optimizer state on the host: what must fit is its
+    packed bytes; one byte less is refused before anything moves."""
+    model, _ = _lora_llama()
+    packed = sum(Packed("nf4", tuple(p.shape), p.dtype).nbytes
+                 for p in model.parameters() if _big(p))
+    monkeypatch.setattr(streaming, "available_host_bytes", lambda: packed - 1)
+    with pytest.raises(StormHostMemoryError, match=f"need {packed} bytes"):
+        stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    monkeypatch.setattr(streaming, "available_host_bytes", lambda: packed)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4")
+
+
+def test_a_model_on_the_meta_device_loads_from_a_checkpoint(tmp_path):
+    """Built on the meta device, materialised from a safetensors checkpoint one weight at a
+    time, packed on the way: the same model as one built whole and streamed."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    model, batch = _lora_llama()
+    reference = copy.deepcopy(model)
+    stream_parameters(reference, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4")
+    safetensors.save_file({n: p.contiguous() for n, p in model.named_parameters()},
+                          str(tmp_path / "model.safetensors"))
+    empty, _ = _lora_llama("meta")
+    with pytest.raises(ValueError, match="meta device and no weights were given"):
+        stream_parameters(copy.deepcopy(empty), "cpu", resident_bytes=RESIDENT_BYTES)
+    stream_parameters(empty, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4",
+                      weights=checkpoint_weights(tmp_path))
+    assert not [n for n, p in empty.named_parameters() if p.is_meta]
+    assert torch.equal(empty(*batch), reference(*batch))

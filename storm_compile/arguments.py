@@ -21,6 +21,10 @@ GPT_KNOBS = ("d_model", "layers", "heads", "seq", "batch", "hidden", "dtype")
 """What sizes the built-in gpt on the command line: the fields of its shape."""
 LLAMA_KNOBS = ("preset", "layers", "seq", "batch", "dtype")
 """What sizes the built-in llama on the command line: a named shape, and overrides of it."""
+HOST_FORMATS = ("int8", "nf4")
+"""``--host-format``'s choices: :data:`storm_compile.quantize.FORMATS`, named here so that the
+parser imports no torch."""
+
 DEFAULT_LLAMA_PRESET = "1b"
 """The llama's shape where ``--preset`` is not given."""
 
@@ -73,6 +77,15 @@ def _model_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
     parser.add_argument("--format", choices=("table", "json"), default="table")
 
 
+def _weight_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="freeze the model and put LoRA adapters of this rank beside every "
+                             "linear layer (storm_compile.models.add_lora)")
+    parser.add_argument("--host-format", default=None, choices=HOST_FORMATS,
+                        help="with --stream and --lora: hold the frozen streamed weights in "
+                             "this format in host memory (storm_compile.quantize)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``storm`` command; ``--version`` prints ``storm-compile`` and the
     package's version."""
@@ -99,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--stream", action="store_true",
                           help="keep the model's parameters of 1 MiB or more in host memory and "
                                "stream them to the device (storm_compile.streaming)")
+    _weight_arguments(schedule)
     schedule.add_argument("--timings", action="store_true",
                           help="also print each pass run: its seconds and what it changed "
                                "(json format: under \"passes\")")
@@ -127,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_argument("--stream", action="store_true",
                             help="stream the parameters of 1 MiB or more from host memory, as "
                                  "for schedule")
+    _weight_arguments(throughput)
     throughput.add_argument("--micro-batches", default="1",
                             help="comma-separated micro-batches per optimizer step (default 1)")
     throughput.add_argument("--overlap-optimizer", action="store_true",

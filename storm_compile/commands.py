@@ -24,7 +24,7 @@ from storm_compile.calibrate import cache_path, calibrate, profile_for
 from storm_compile.config import CPU_PLANNING, StormConfig, StormOptionError
 from storm_compile.cost_model import CostModel
 from storm_compile.graphs import PassContext, PassRecord, StormGraphs
-from storm_compile.models import build_gpt, build_llama, load_factory
+from storm_compile.models import add_lora, build_gpt, build_llama, load_factory
 from storm_compile.passes import StormBudgetError
 from storm_compile.profiles import GPU_PLANNING_PROFILE
 from storm_compile.report import (
@@ -218,21 +218,26 @@ def planning_context(stages: bool = False, **options: object) -> PassContext:
                        stages=stages)
 
 
-def plan_model(model: str, ctx: PassContext, stream: bool = False,
-               **shape: object) -> StormGraphs:
+def plan_model(model: str, ctx: PassContext, stream: bool = False, lora: int | None = None,
+               host_format: str | None = None, **shape: object) -> StormGraphs:
     """Trace ``model`` (``"gpt"`` or ``"llama"``, with the shape fields ``shape`` gives, or
     ``path/to/file.py:factory``) forward and backward with fake tensors, and run storm's passes
     on its one graph pair with ``ctx``; with ``stream``, its parameters are streamed from host
-    memory first (:func:`~storm_compile.streaming.stream_parameters`). Each pass run is in the
+    memory first (:func:`~storm_compile.streaming.stream_parameters`), the frozen ones held in
+    ``host_format``; with ``lora``, the model is frozen and given adapters of that rank on every
+    linear layer first (:func:`~storm_compile.models.add_lora`). Each pass run is in the
     result's ``records``. The graphs are lazy graph modules: their Python code, which nothing
     here runs, is generated only if read. Raises :class:`ModelSpecError` for a model that cannot
     be built or traced."""
     captured: list[StormGraphs] = []
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     module, inputs = _build(model, shape, fake_mode)
+    if lora is not None:
+        with fake_mode:
+            add_lora(module, lora)
     if stream:
         with fake_mode:
-            stream_parameters(module, "cpu", host_check=False)
+            stream_parameters(module, "cpu", host_check=False, host_format=host_format)
     with fake_mode, use_lazy_graph_module(True):    # the graphs are planned, never run
         aot_module_simplified(_TupleOutput(module, model), inputs, fw_compiler=boxed_nop,
                               bw_compiler=boxed_nop,
@@ -241,6 +246,17 @@ def plan_model(model: str, ctx: PassContext, stream: bool = False,
         raise ModelSpecError("no input or parameter of the model requires grad, so there is "
                              "no backward to schedule")
     return captured[0]
+
+
+def _weights(args: argparse.Namespace) -> dict[str, object]:
+    """How the command line asks for the weights to be held: streamed, with adapters, in a host
+    format."""
+    if args.host_format is not None and not (args.stream and args.lora):
+        raise UsageError(f"--host-format {args.host_format} holds frozen streamed weights: it "
+                         f"needs --stream and --lora RANK (the base weights frozen)")
+    if args.lora is not None and args.lora < 1:
+        raise UsageError(f"--lora {args.lora}: expected a rank of 1 or more")
+    return {"stream": args.stream, "lora": args.lora, "host_format": args.host_format}
 
 
 def _shape(args: argparse.Namespace) -> dict[str, object]:
@@ -284,8 +300,9 @@ def _schedule(args: argparse.Namespace) -> int:
     _check_folder(args.trace, "--trace")
     budget = {} if args.memory_budget is None else {"memory_budget": args.memory_budget}
     ctx = dataclasses.replace(_context(args, **budget), stages=args.stages)
-    graphs = plan_model(args.model, ctx, stream=args.stream, **_shape(args))
-    annotated = annotate(graphs, ctx.cost, tokens=_tokens(args.model, _shape(args)))
+    graphs = plan_model(args.model, ctx, **_weights(args), **_shape(args))
+    annotated = annotate(graphs, ctx.cost, tokens=_tokens(args.model, _shape(args)),
+                         host_format=args.host_format)
     prediction = annotated.pop("prediction")
     if args.trace is not None:
         _write(args.trace, json.dumps(chrome_trace(prediction)), "--trace")
@@ -371,9 +388,10 @@ def _throughput(args: argparse.Namespace) -> int:
     rows = []
     for tokens in counts:
         ctx = _context(args, **budget)               # each size is a step of its own
-        graphs = plan_model(args.model, ctx, stream=args.stream,
+        graphs = plan_model(args.model, ctx, **_weights(args),
                             **{**shape, "batch": tokens // base.seq})
-        summary = annotate(graphs, ctx.cost, tokens=tokens)["summary"]
+        summary = annotate(graphs, ctx.cost, tokens=tokens,
+                           host_format=args.host_format)["summary"]
         rows += [throughput_row(summary, predict_step(graphs, ctx.cost, count,
                                                       args.overlap_optimizer, args.accumulate))
                  for count in micro_batches]

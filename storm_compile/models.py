@@ -1,7 +1,9 @@
 """Built-in models, and loading of user models given as ``path/to/file.py:factory``.
 
 ``llama`` is a Llama-style decoder (GQA, RoPE, SwiGLU, RMSNorm) with named presets of real shapes
-(:data:`LLAMA_PRESETS`: 1b, 3b, 8b, and a tiny one for tests), returning its training loss.
+(:data:`LLAMA_PRESETS`: 1b, 3b, 8b, 70b, and a tiny one for tests), returning its training
+loss. :func:`add_lora` freezes a model and puts low-rank adapters beside every linear layer
+(LoRA), the fine-tuning that frozen host formats (:mod:`storm_compile.quantize`) serve.
 
 ``gpt`` is the stack the benchmarks measure: pre-norm transformer blocks with ``nn.RMSNorm``, a
 fused QKV projection, causal ``scaled_dot_product_attention``, an output projection and a
@@ -171,6 +173,33 @@ def build_llama(shape: LlamaShape, device: torch.device | str = "cpu"
     model = Llama(shape, device=device, dtype=getattr(torch, shape.dtype))
     tokens = torch.randint(shape.vocab, (shape.batch, shape.seq + 1), device=device)
     return model, (tokens[:, :-1], tokens[:, 1:])
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer with a trainable low-rank update beside it: ``base(x) + x A^T B^T``
+    (A: rank × in, B: out × rank). Both factors start random (not B = 0 as in training
+    recipes), so every adapter's gradient is non-zero from the first step."""
+
+    def __init__(self, base: nn.Linear, rank: int) -> None:
+        super().__init__()
+        self.base = base
+        factory = {"device": base.weight.device, "dtype": base.weight.dtype}
+        self.a = nn.Parameter(torch.randn(rank, base.in_features, **factory) / base.in_features)
+        self.b = nn.Parameter(torch.randn(base.out_features, rank, **factory) / rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+def add_lora(model: nn.Module, rank: int) -> nn.Module:
+    """Freeze ``model`` and replace each of its ``nn.Linear`` layers by a :class:`LoRALinear`
+    of ``rank``, in place; returns ``model``."""
+    model.requires_grad_(False)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, LoRALinear(child, rank))
+    return model
 
 
 def load_factory(spec: str) -> tuple[nn.Module, tuple[Any, ...]]:

@@ -26,6 +26,8 @@ from typing import Literal
 
 import torch
 
+from storm_compile.torch_private import FakeTensor
+
 HostFormat = Literal["int8", "nf4"]
 FORMATS: tuple[str, ...] = ("int8", "nf4")
 
@@ -112,6 +114,8 @@ def quantize(weight: torch.Tensor, format: HostFormat) -> tuple[torch.Tensor, Pa
     check(format, tuple(weight.shape), "quantize")
     packed = Packed(format, tuple(weight.shape), weight.dtype)
     out = torch.empty(packed.nbytes, dtype=torch.uint8, device=weight.device)
+    if weight.is_meta or isinstance(weight, FakeTensor):
+        return out, packed          # no values to pack: a model planned, never run
     scales = out[packed.scale_offset:].view(_SCALE_DTYPE)
     flat = weight.detach().reshape(packed.shape[0], -1)
     if format == "int8":

@@ -112,9 +112,10 @@ def storage_rows(graphs: StormGraphs) -> list[StorageRow]:
 
 
 def summary(graphs: StormGraphs, prediction: Prediction, profile: str,
-            tokens: int | None = None) -> dict[str, object]:
+            tokens: int | None = None, host_format: str | None = None) -> dict[str, object]:
     """Every figure of the plan; with ``tokens`` (tokens per micro-batch, for a language model)
-    also the predicted tokens per second of its forward and backward."""
+    also the predicted tokens per second of its forward and backward; ``host_format`` is the
+    format the frozen streamed weights were held in (None: their dtype)."""
     actions = [d.action for _, d in _decided(graphs)]
     plan, baseline = graphs.plan, graphs.plan.baseline
     streamed = host_inputs(graphs)
@@ -138,6 +139,7 @@ def summary(graphs: StormGraphs, prediction: Prediction, profile: str,
         "recomputed_storages": actions.count(Action.RECOMPUTE),
         "kept_storages": actions.count(Action.KEEP),
         "streamed_weight_bytes": sum(tensor_bytes(n.meta.get("val")) for n in streamed),
+        "host_format": host_format,
         "resident_weight_bytes": sum(w.nbytes for w in graphs.storages.resident),
         "device_bytes": device_bytes(graphs, prediction),
         "tokens": tokens,
@@ -145,14 +147,14 @@ def summary(graphs: StormGraphs, prediction: Prediction, profile: str,
     }
 
 
-def annotate(graphs: StormGraphs, cost: CostModel, tokens: int | None = None
-             ) -> dict[str, object]:
+def annotate(graphs: StormGraphs, cost: CostModel, tokens: int | None = None,
+             host_format: str | None = None) -> dict[str, object]:
     """Everything the CLI prints: ``{"nodes": [...], "storages": [...], "summary": {...}}`` and
-    the prediction."""
+    the prediction (``tokens`` and ``host_format`` as :func:`summary` takes them)."""
     prediction = simulate(graphs, cost)
     return {"nodes": [dataclasses.asdict(r) for r in schedule_rows(graphs, prediction)],
             "storages": [dataclasses.asdict(r) for r in storage_rows(graphs)],
-            "summary": summary(graphs, prediction, cost.profile.name, tokens),
+            "summary": summary(graphs, prediction, cost.profile.name, tokens, host_format),
             "prediction": prediction}
 
 
@@ -269,8 +271,10 @@ def format_storages(annotated: dict[str, object], title: str) -> str:
                            f"inputs"),
     ]
     if s["streamed_weight_bytes"] or s["resident_weight_bytes"]:
+        held = f" (frozen weights in {s['host_format']})" if s["host_format"] else ""
         lines.append(("streamed weights", f"{_size(s['streamed_weight_bytes'])} fetched from "
-                                          f"host memory, {_size(s['resident_weight_bytes'])} "
+                                          f"host memory{held}, "
+                                          f"{_size(s['resident_weight_bytes'])} "
                                           f"kept on the device; device memory "
                                           f"{_size(s['device_bytes'])} at the peak"))
     if s["tokens"] is not None:

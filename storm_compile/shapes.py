@@ -110,6 +110,9 @@ LLAMA_PRESETS: dict[str, LlamaShape] = {
     # Llama 3.1 8B.
     "8b": LlamaShape(d_model=4096, layers=32, hidden=14336, heads=32, kv_heads=8,
                      vocab=128256),
+    # Llama 3.1 70B.
+    "70b": LlamaShape(d_model=8192, layers=80, hidden=28672, heads=64, kv_heads=8,
+                      vocab=128256),
     # A few MiB, for tests and CPU runs.
     "tiny": LlamaShape(d_model=64, layers=2, hidden=176, heads=4, kv_heads=2, vocab=256,
                        seq=32, batch=2, dtype="float32"),

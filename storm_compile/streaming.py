@@ -341,9 +341,11 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
     (``"int8"``, ``"nf4"``; :mod:`storm_compile.quantize`): for the whole model, or per module
     (:data:`HostFormats`). Their packed bytes cross the link and are rebuilt on the device; the
     model computes with the rebuilt weights, and ``state_dict`` gives them (and
-    ``load_state_dict`` packs what it is given). A trainable parameter under a format raises
-    :class:`~storm_compile.quantize.StormQuantizeError`, as does a weight the format cannot
-    hold (fewer than 2 dimensions; for nf4, a size not a multiple of its block).
+    ``load_state_dict`` packs what it is given). Trainable parameters keep their dtype
+    (:attr:`Streamed.formats` lists what was packed); a module named in a ``host_format`` dict
+    whose own parameter trains raises :class:`~storm_compile.quantize.StormQuantizeError`, as
+    does a weight the format cannot hold (fewer than 2 dimensions; for nf4, a size not a
+    multiple of its block).
 
     A model built on the meta device is materialised one parameter at a time from ``weights``
     (a mapping from ``named_parameters`` names to tensors, such as :func:`checkpoint_weights`
@@ -380,13 +382,16 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
                 continue
             owners.setdefault(module, []).append(name)
             format = _format_of(host_format, module_name)
+            if format is not None and param.requires_grad:
+                if isinstance(host_format, dict) and host_format.get(module_name) is not None:
+                    raise StormQuantizeError(
+                        f"stream_parameters: host_format names {module_name!r} "
+                        f"({host_format[module_name]!r}), whose {full} trains "
+                        f"(requires_grad=True); trainable weights are never quantized: freeze "
+                        f"it first, or leave its module out")
+                continue
             if format is not None:
                 check(format, tuple(param.shape), full)
-                if param.requires_grad:
-                    raise StormQuantizeError(
-                        f"stream_parameters: host_format {format!r} covers {full}, which "
-                        f"trains (requires_grad=True); trainable weights are never quantized: "
-                        f"freeze it first, or give its module None in host_format")
                 formats[id(param)] = format
     unique = {id(p): (n, p) for n, p in streamed}
     stored = {key: _host_bytes(p, formats.get(key)) for key, (_, p) in unique.items()}

@@ -38,6 +38,7 @@ APIS: dict[str, tuple[str, ...]] = {
         "torch._functorch.partitioners:min_cut_rematerialization_partition",),
     "aot_module_simplified": ("torch._functorch.aot_autograd:aot_module_simplified",),
     "FakeTensorMode": ("torch._subclasses.fake_tensor:FakeTensorMode",),
+    "FakeTensor": ("torch._subclasses.fake_tensor:FakeTensor",),
     "DataDependentOutputException": (
         "torch._subclasses.fake_tensor:DataDependentOutputException",),
     "DynamicOutputShapeException": (

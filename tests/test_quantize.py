@@ -163,12 +163,19 @@ def test_a_rebuilt_weight_is_never_saved_for_the_backward():
     assert saved and not shapes & set(saved)
 
 
-def test_a_trainable_weight_under_a_format_is_an_error():
+def test_trainable_weights_keep_their_dtype_and_naming_one_is_an_error():
+    """A model-wide format packs the frozen weights only; a module named in a per-module
+    format whose own parameter trains is an error before anything moves."""
     torch.manual_seed(0)
     model, _ = build_llama(SHAPE)
-    with pytest.raises(StormQuantizeError, match="embed.weight, which trains"):
-        stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="int8")
+    model.lm_head.requires_grad_(False)
+    with pytest.raises(StormQuantizeError, match="names 'embed' .* embed.weight trains"):
+        stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES,
+                          host_format={"": "nf4", "embed": "int8"})
     assert not any(torch.nn.utils.parametrize.is_parametrized(m) for m in model.modules())
+    done = stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="int8")
+    assert done.formats == {"lm_head.weight": "int8"}
+    assert model.embed.parametrizations.weight.original.dtype == torch.float32
 
 
 def test_formats_per_module_take_the_longest_name():

@@ -18,16 +18,21 @@ an empty tensor on that device, so after ``model.to("cuda")`` a model streamed f
 computes on the GPU. The parameter stays the same object, of the same class, whatever
 ``torch.__future__`` says about swapping or overwriting parameters on conversion (an optimizer
 built before the move still holds it); its ``.grad`` is kept and converted the same way, and
-``state_dict`` keys do not change.
+``state_dict`` keys do not change. A weight packed in a host format
+(:mod:`storm_compile.quantize`) stays packed, and is rebuilt in the dtype ``fn`` gives its
+dtype (``model.half()`` rebuilds it in float16).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+
+from storm_compile.quantize import Packed
 
 Convert = Callable[[torch.Tensor], torch.Tensor]
 
@@ -71,6 +76,10 @@ class HostResidentParametrizationList(parametrize.ParametrizationList):
                 probe, moved = _probe(fn, original.dtype, original.dim(), device)
                 if moved.device != probe.device:
                     parametrization.device = moved.device
+            packed = getattr(parametrization, "packed", None)
+            if isinstance(packed, Packed):
+                _, converted = _probe(fn, packed.dtype, len(packed.shape), original.device)
+                parametrization.packed = dataclasses.replace(packed, dtype=converted.dtype)
         if recurse:
             for module in self.children():
                 module._apply(fn)

@@ -778,3 +778,33 @@ def test_schedule_stages_shows_what_each_pass_did_to_the_code(capsys):
     graphs = commands.plan_model(STREAMED_LLAMA[0], commands.planning_context(
         profile="cpu-test"), stream=True, preset="1b", layers=1, seq=256)
     assert [r.code for r in graphs.records] == [()] * len(graphs.records)
+
+
+def test_frozen_weights_in_a_host_format_cross_the_link_packed(capsys):
+    """--lora freezes the model beside adapters; --host-format packs the frozen streamed
+    weights: nf4 moves under 30 % of the bf16 bytes (4.5 bits of 16), and the table says so."""
+    def weight_bytes(*extra):
+        assert main(["schedule", *STREAMED_LLAMA, "--lora", "8", *extra, "--format",
+                     "json"]) == 0
+        summary = json.loads(capsys.readouterr().out)["summary"]
+        return summary, summary["streamed_weight_bytes"] + summary["resident_weight_bytes"]
+
+    plain, bf16 = weight_bytes()
+    packed, nf4 = weight_bytes("--host-format", "nf4")
+    assert plain["host_format"] is None and packed["host_format"] == "nf4"
+    assert 0.25 * bf16 < nf4 < 0.3 * bf16
+    assert main(["schedule", *STREAMED_LLAMA, "--lora", "8", "--host-format", "int8"]) == 0
+    assert "(frozen weights in int8)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("weights", [["--stream", "--host-format", "nf4"],
+                                     ["--lora", "4", "--host-format", "nf4"]])
+def test_a_host_format_needs_streamed_frozen_weights(capsys, weights):
+    assert main(["schedule", *STREAMED_LLAMA[:-1], *weights]) == EXIT_USAGE
+    assert "--host-format nf4 holds frozen streamed weights" in capsys.readouterr().err
+
+
+def test_the_parser_offers_the_host_formats_quantize_packs():
+    from storm_compile.arguments import HOST_FORMATS
+    from storm_compile.quantize import FORMATS
+    assert HOST_FORMATS == FORMATS

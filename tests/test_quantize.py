@@ -11,7 +11,7 @@ from storm_compile import storm, streaming
 from storm_compile.backend import StormBackend
 from storm_compile.config import StormConfig
 from storm_compile.graphs import saved_values
-from storm_compile.models import build_llama
+from storm_compile.models import add_lora, build_llama
 from storm_compile.quantize import (
     INT8_LEVELS,
     NF4_BLOCK,
@@ -31,34 +31,10 @@ RANK = 4
 FORMATS = ("int8", "nf4")
 
 
-class LoRALinear(nn.Module):
-    """A frozen linear layer with a trainable low-rank update beside it."""
-
-    def __init__(self, base: nn.Linear, rank: int) -> None:
-        super().__init__()
-        self.base = base
-        self.a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features)
-        self.b = nn.Parameter(torch.randn(base.out_features, rank) / rank)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + x @ self.a.t() @ self.b.t()
-
-
-def with_lora(model: nn.Module) -> nn.Module:
-    """``model`` frozen, with :class:`LoRALinear` adapters on every linear layer."""
-    model.requires_grad_(False)
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, LoRALinear(child, RANK))
-    return model
-
-
 def _lora_llama(device: str = "cpu"):
     torch.manual_seed(0)
     model, batch = build_llama(SHAPE, device)
-    with torch.device(device):
-        return with_lora(model), batch
+    return add_lora(model, RANK), batch
 
 
 def _big(param: torch.Tensor) -> bool:
@@ -235,3 +211,16 @@ def test_a_model_on_the_meta_device_loads_from_a_checkpoint(tmp_path):
                       weights=checkpoint_weights(tmp_path))
     assert not [n for n, p in empty.named_parameters() if p.is_meta]
     assert torch.equal(empty(*batch), reference(*batch))
+
+
+def test_a_dtype_conversion_rebuilds_packed_weights_in_the_new_dtype():
+    """``model.to(torch.float64)`` leaves the packed bytes as they are and the weights are
+    rebuilt in float64, as the rest of the model computes."""
+    model, batch = _lora_llama()
+    reference = _as_held(model, "nf4").to(torch.float64)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4")
+    packed = model.lm_head.base.parametrizations.weight.original
+    model.to(torch.float64)
+    assert model.lm_head.base.parametrizations.weight.original is packed
+    assert packed.dtype == torch.uint8 and model.lm_head.base.weight.dtype == torch.float64
+    torch.testing.assert_close(model(*batch), reference(*batch))

@@ -288,14 +288,20 @@ class _Source:
     def __init__(self, weights) -> None:
         self.weights = weights
 
+    def check(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """Raise ``ValueError``, before anything loads, when a parameter on the meta device
+        has no tensor in ``weights``."""
+        missing = [name for name, param in params if param.is_meta
+                   and (self.weights is None or name not in self.weights)]
+        if missing:
+            given = "no weights were given" if self.weights is None else "weights lacks them"
+            raise ValueError(f"stream_parameters: {', '.join(missing)} are on the meta device "
+                             f"and {given}; pass weights= (a mapping such as "
+                             f"checkpoint_weights(path)) holding every parameter built there")
+
     def value(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        if param.device.type != "meta":
+        if not param.is_meta:
             return param.data
-        if self.weights is None or name not in self.weights:
-            raise ValueError(f"stream_parameters: {name} is on the meta device and "
-                             f"{'no weights were given' if self.weights is None else 'weights has no such key'}"
-                             f"; pass weights= (a mapping such as checkpoint_weights(path)) "
-                             f"holding every parameter built on the meta device")
         value = self.weights[name]
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(f"stream_parameters: weights[{name!r}] has shape "
@@ -393,6 +399,11 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
             if format is not None:
                 check(format, tuple(param.shape), full)
                 formats[id(param)] = format
+    meta_buffers = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if meta_buffers:
+        raise ValueError(f"stream_parameters: buffers on the meta device "
+                         f"({', '.join(meta_buffers)}) are not loaded from weights; build them "
+                         f"on a real device")
     unique = {id(p): (n, p) for n, p in streamed}
     stored = {key: _host_bytes(p, formats.get(key)) for key, (_, p) in unique.items()}
     host_bytes = sum(stored.values())
@@ -406,6 +417,7 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
             f"tensor(s) each (optimizer_states) need {needed} bytes ({needed / GIB:.2f} GiB) "
             f"of host memory; {available} bytes ({available / GIB:.2f} GiB) are available")
     source = _Source(weights)
+    source.check([*streamed, *resident])
     pin = torch.cuda.is_available()
     if pin:
         pin_quickly()

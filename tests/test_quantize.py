@@ -205,12 +205,16 @@ def test_a_model_on_the_meta_device_loads_from_a_checkpoint(tmp_path):
     safetensors.save_file({n: p.contiguous() for n, p in model.named_parameters()},
                           str(tmp_path / "model.safetensors"))
     empty, _ = _lora_llama("meta")
-    with pytest.raises(ValueError, match="meta device and no weights were given"):
+    with pytest.raises(ValueError, match="are on the meta device and no weights were given"):
         stream_parameters(copy.deepcopy(empty), "cpu", resident_bytes=RESIDENT_BYTES)
     stream_parameters(empty, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4",
                       weights=checkpoint_weights(tmp_path))
     assert not [n for n, p in empty.named_parameters() if p.is_meta]
     assert torch.equal(empty(*batch), reference(*batch))
+    with_buffer, _ = _lora_llama("meta")
+    with_buffer.register_buffer("scale", torch.ones(4, device="meta"))
+    with pytest.raises(ValueError, match=r"buffers on the meta device \(scale\)"):
+        stream_parameters(with_buffer, "cpu", weights=checkpoint_weights(tmp_path))
 
 
 def test_a_dtype_conversion_rebuilds_packed_weights_in_the_new_dtype():

@@ -52,6 +52,15 @@ Two parts, both optional:
         [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]
         [--reference-losses earlier/results.json] [--profile storm] [--log host.log]
 
+With ``--lora RANK`` every method trains adapters of that rank beside every linear layer of a
+frozen base, built on the meta device and loaded from the same drawn weights one at a time
+(:class:`_DrawnWeights`); with ``--host-format`` storm holds the frozen streamed weights in that
+format and ``compile`` trains on the same quantized weights resident, so their losses differ by
+streaming alone. A LoRA row's TFLOP/s counts 4 FLOP per frozen parameter and token, and its
+``of bound`` is its tokens/s over the lower of two limits at its micro-batch size: the link's
+(every streamed host byte crossing twice, at the calibrated host-to-device rate) and the
+GPU's (the model FLOPs at the calibrated matmul rate).
+
 ``--smoke`` runs the harness on the CPU (tiny preset, storm with ``transfer_cpu_tensors``).
 Writes ``results.json`` and ``results.md`` after every row.
 """
@@ -71,7 +80,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -82,9 +91,11 @@ from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
 from benchmarks.trace_analysis import profiled
 from storm_compile.backend import StormBackend
+from storm_compile.calibrate import profile_for
 from storm_compile.config import StormConfig
 from storm_compile.graphs import COST_KEY, StormGraphs
-from storm_compile.models import LLAMA_PRESETS, LlamaShape, Llama
+from storm_compile.models import LLAMA_PRESETS, Llama, LlamaShape, add_lora
+from storm_compile.quantize import FORMATS, dequantize, quantize
 from storm_compile.prediction import StepPrediction
 from storm_compile.simulate import device_bytes, predict_step, simulate
 from storm_compile.streaming import (
@@ -116,6 +127,14 @@ ALLOCATOR = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 streamed step frees and reallocates weight-sized blocks on three streams, and with fixed
 segments the 8B step at a 24 GiB cap failed with 1.38 GiB reserved but unallocated; with
 expandable segments it trained."""
+LINK_CROSSINGS = 2
+"""Times a streamed weight crosses the link per micro-batch (forward and backward): the
+link-bound limit of a frozen base counts every host byte twice."""
+FROZEN_FLOPS_PER_PARAMETER_TOKEN = 4
+"""A frozen weight matrix: forward and the gradient of its input, no gradient of its own."""
+INIT_STD = 0.02
+"""Standard deviation of every drawn matrix and adapter factor (Llama's initializer range); norm
+weights are ones."""
 SMOKE_SHAPE = dataclasses.replace(LLAMA_PRESETS["tiny"], batch=1)
 SMOKE_RESIDENT_BYTES = 4096
 """The tiny preset's parameters are all below the default ``resident_bytes``; the smoke run
@@ -136,14 +155,61 @@ class _Run:
     by op, over the graphs the method compiled (empty when unpredicted)."""
     peaks: list[int] = dataclasses.field(default_factory=list)
     """Each compiled graph's predicted device peak, bytes (empty when unpredicted)."""
+    host_bytes: int | None = None
+    """Bytes of the streamed parameters in host memory (None when nothing streams)."""
 
 
 def _model(shape: LlamaShape, args, on: str) -> nn.Module:
     """The preset's model on ``on``, its weights drawn on ``args.device`` from ``MODEL_SEED``:
     every method of a run starts from the same weights, and the GPU draws an 8B model's in
-    well under a second where the host's one generator takes minutes."""
-    torch.manual_seed(MODEL_SEED)
-    return Llama(shape, device=args.device, dtype=getattr(torch, shape.dtype)).to(on)
+    well under a second where the host's one generator takes minutes. With ``--lora``, frozen
+    with adapters beside every linear layer, loaded from :class:`_DrawnWeights`, and with
+    ``--host-format``, its frozen matrices hold what the format keeps of them."""
+    if args.lora is None:
+        torch.manual_seed(MODEL_SEED)
+        return Llama(shape, device=args.device, dtype=getattr(torch, shape.dtype)).to(on)
+    model, weights = _adapted(shape, args)
+    state = {name: weights[name] for name in weights}
+    if args.host_format is not None:
+        frozen = {n for n, p in model.named_parameters()
+                  if not p.requires_grad and p.numel() * p.element_size() >= args.resident_bytes}
+        state = {n: dequantize(*quantize(v, args.host_format)) if n in frozen else v
+                 for n, v in state.items()}
+    model.load_state_dict(state, assign=True)
+    return model.to(on)
+
+
+class _DrawnWeights(Mapping):
+    """Every parameter of a model built on the meta device, drawn on ``device`` when looked up
+    (each from its own seed, so in any order and any number of times the same): a model larger
+    than host memory in its dtype is never held whole."""
+
+    def __init__(self, model: nn.Module, device: str) -> None:
+        self.params = {n: (i, p.shape, p.dtype) for i, (n, p) in enumerate(
+            model.named_parameters())}
+        self.device = device
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        index, shape, dtype = self.params[name]
+        if len(shape) < 2:
+            return torch.ones(shape, dtype=dtype, device=self.device)
+        generator = torch.Generator(self.device).manual_seed(MODEL_SEED + index)
+        return (torch.randn(shape, generator=generator, device=self.device)
+                * INIT_STD).to(dtype)
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+def _adapted(shape: LlamaShape, args) -> tuple[nn.Module, _DrawnWeights]:
+    """The preset's model on the meta device, frozen, with ``--lora`` adapters, and the weights
+    every method of the run loads into it."""
+    with torch.device("meta"):
+        model = add_lora(Llama(shape, dtype=getattr(torch, shape.dtype)), args.lora)
+    return model, _DrawnWeights(model, args.device)
 
 
 def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Tensor, ...]]:
@@ -203,8 +269,13 @@ def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
 
 def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
     _cap(args.cap_gib, cuda)
-    model = _model(shape, args, "cpu")
-    stream_parameters(model, args.device, resident_bytes=args.resident_bytes)
+    if args.lora is None:
+        model = _model(shape, args, "cpu")
+        streamed = stream_parameters(model, args.device, resident_bytes=args.resident_bytes)
+    else:
+        model, weights = _adapted(shape, args)
+        streamed = stream_parameters(model, args.device, resident_bytes=args.resident_bytes,
+                                     host_format=args.host_format, weights=weights)
     options = {"memory_budget": args.budget} if args.budget is not None else {}
     if not cuda:
         options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
@@ -235,12 +306,14 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
     overlapped = OverlappedOptimizer(optimizer) if explicit else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
                          overlapped, deferred=explicit, relearn=not explicit),
-                predicted_step, op_ms, peaks)
+                predicted_step, op_ms, peaks, streamed.host_bytes)
 
 
 def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
     if not cuda:
         raise RuntimeError("fsdp2-offload needs CUDA (one NCCL rank)")
+    if args.lora is not None:
+        raise RuntimeError("fsdp2-offload is not run with --lora")
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     _cap(args.cap_gib, cuda)
@@ -263,6 +336,12 @@ BUILDERS = {"compile": _compile, "storm": _storm,
             "fsdp2-offload": _fsdp2_offload}
 
 
+def _profile(cuda: bool):
+    """The device profile storm plans with here (the present GPU's calibration; the CPU test
+    profile on a smoke run)."""
+    return profile_for("auto" if cuda else "cpu-test")
+
+
 def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -271,11 +350,20 @@ def _release() -> None:
     torch._dynamo.reset()
 
 
-def _model_flops(shape: LlamaShape, tokens: int) -> float:
+def _model_flops(shape: LlamaShape, tokens: int, lora: int | None = None) -> float:
+    """Model FLOPs of ``tokens``: 6 per matrix parameter and token (4 for a frozen one, with
+    ``lora`` adapters of that rank beside every matrix, which train: 6 per adapter parameter),
+    plus causal attention."""
     matrices = shape.parameters - shape.vocab * shape.d_model * (
         0 if shape.tie_embeddings else 1)
-    return tokens * (FLOPS_PER_PARAMETER_TOKEN * matrices
-                     + ATTENTION_FLOPS * shape.layers * shape.d_model * shape.seq)
+    attention = ATTENTION_FLOPS * shape.layers * shape.d_model * shape.seq
+    if lora is None:
+        return tokens * (FLOPS_PER_PARAMETER_TOKEN * matrices + attention)
+    with torch.device("meta"):
+        model = add_lora(Llama(shape), lora)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return tokens * (FROZEN_FLOPS_PER_PARAMETER_TOKEN * matrices
+                     + FLOPS_PER_PARAMETER_TOKEN * adapters + attention)
 
 
 def _losses(shape: LlamaShape, args, cuda: bool, method: str) -> dict | str:
@@ -364,7 +452,7 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
     step = min(step_s)
     tokens = row["tokens"] * micro_batches
     row.update(step_ms=step * MS, tokens_per_s=tokens / step,
-               tflops=_model_flops(shape, tokens) / step / 1e12,
+               tflops=_model_flops(shape, tokens, args.lora) / step / 1e12,
                optimizer_ms=min(optimizer_s) * MS,
                peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
     if row["method"] in args.profile:
@@ -372,6 +460,13 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
                             args.out / f"trace_{row['method']}_{row['tokens']}x{micro_batches}"
                                        f".json"))
     predicted = run.predicted(micro_batches)
+    if run.host_bytes is not None and args.lora is not None:
+        profile = _profile(cuda)
+        link_s = LINK_CROSSINGS * run.host_bytes / profile.h2d_bandwidth
+        compute_s = _model_flops(shape, row["tokens"], args.lora) / profile.matmul_flops
+        row.update(link_bound_tokens_per_s=row["tokens"] / link_s,
+                   compute_bound_tokens_per_s=row["tokens"] / compute_s,
+                   of_bound=row["tokens_per_s"] / (row["tokens"] / max(link_s, compute_s)))
     if predicted is not None:
         row.update(pred_tokens_per_s=tokens / predicted.step_s,
                    pred_error=(tokens / predicted.step_s) / row["tokens_per_s"] - 1,
@@ -383,6 +478,10 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
 
 def markdown(results: dict) -> str:
     parts = []
+    if results.get("lora") is not None:
+        held = results["host_format"] or "their dtype"
+        parts.append(f"LoRA rank {results['lora']} beside every linear layer, the base frozen, "
+                     f"its streamed weights in {held}; {REFERENCE}: the same weights resident.")
     loss = results.get("loss")
     if loss:
         rows = [[m, s] if isinstance(s, str) else
@@ -414,13 +513,14 @@ def markdown(results: dict) -> str:
                      f"{row['pred_exposed_ms']:.0f} / {row['pred_host_ms']:.0f}"
                      if "pred_tokens_per_s" in row else "",
                      f"{row['build_s']:.0f} / {row['first_step_s']:.0f}" if "build_s" in row
-                     else f"(built) / {row['first_step_s']:.0f}"])
+                     else f"(built) / {row['first_step_s']:.0f}",
+                     f"{row['of_bound']:.0%}" if "of_bound" in row else ""])
     if rows:
         parts.append(tabulate(rows, headers=["method", "tokens/µbatch", "µbatches", "tokens/s",
                                              f"× {REFERENCE}", "TFLOP/s", "optimizer ms",
                                              "peak GiB (predicted)", "predicted tokens/s",
                                              "predicted copy / host waits ms",
-                                             "build / first step s"],
+                                             "build / first step s", "of bound"],
                               tablefmt="github"))
     return "\n\n".join(parts) + "\n"
 
@@ -458,6 +558,12 @@ def _parse(argv):
                              "one more step: its trace in --out, and in results.json the compute "
                              "stream's busy fraction and idle time, split by the copy it waited "
                              "on (home, to the device, none)")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="freeze the model, adapters of this rank beside every linear layer "
+                             "(LoRA fine-tuning); every method loads the same drawn weights")
+    parser.add_argument("--host-format", default=None, choices=FORMATS,
+                        help=f"with --lora: storm holds the frozen streamed weights in this "
+                             f"format; {REFERENCE} trains on the same quantized weights, resident")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run of the harness")
     parser.add_argument("--out", type=Path, default=Path("bench-out/streaming"))
     args = parser.parse_args(argv)
@@ -470,6 +576,8 @@ def _parse(argv):
     unprofiled = [m for m in args.profile if m not in args.methods]
     if unprofiled:
         parser.error(f"--profile {','.join(unprofiled)}: not among --methods")
+    if args.host_format is not None and args.lora is None:
+        parser.error("--host-format holds frozen weights: it needs --lora RANK")
     args.tokens, args.micro_batches = _ints(args.tokens), _ints(args.micro_batches)
     return args
 
@@ -505,7 +613,8 @@ def main(argv=None) -> int:
                                "device": torch.cuda.get_device_name() if cuda
                                else platform.processor()},
                "shape": dataclasses.asdict(shape), "cap_gib": args.cap_gib,
-               "budget": args.budget, "throughput": []}
+               "budget": args.budget, "lora": args.lora, "host_format": args.host_format,
+               "throughput": []}
     runs: dict[str, dict | str] = {}
     if args.reference_losses is not None:
         saved = json.loads(args.reference_losses.read_text())

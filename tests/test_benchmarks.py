@@ -380,3 +380,24 @@ def test_trainer_peak_owners_names_what_is_live_at_the_peak(tmp_path):
     owners = {o["owner"]: round(o["gib"] * trainer.GIB) for o in result["owners"]}
     assert owners == {trainer.owner(frames(1)): 300, trainer.owner(frames(2)): 100,
                       "allocated before the step, still live": 1000}
+
+
+def test_streaming_smoke_fine_tunes_lora_over_a_packed_base(tmp_path):
+    """--lora with --host-format: storm's streamed nf4 base and compile's resident copy of the
+    same quantized weights train the same losses; storm's row is set against its link and
+    compute limits."""
+    assert streaming.main(["--smoke", "--lora", "2", "--host-format", "nf4", "--tokens", "32",
+                           "--loss-steps", "2", "--loss-tokens", "32", "--steps", "1",
+                           "--methods", "compile,storm", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["loss"]["summary"]["storm"]["max_abs_diff"] < 1e-5
+    compiled, streamed = results["throughput"]
+    assert "of_bound" not in compiled
+    assert 0 < streamed["of_bound"] and streamed["link_bound_tokens_per_s"] > 0
+    assert "nf4" in (tmp_path / "results.md").read_text()
+
+
+def test_streaming_refuses_a_host_format_without_adapters(capsys):
+    with pytest.raises(SystemExit):
+        streaming.main(["--smoke", "--host-format", "nf4"])
+    assert "--host-format holds frozen weights: it needs --lora RANK" in capsys.readouterr().err

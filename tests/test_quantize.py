@@ -228,3 +228,24 @@ def test_a_dtype_conversion_rebuilds_packed_weights_in_the_new_dtype():
     assert model.lm_head.base.parametrizations.weight.original is packed
     assert packed.dtype == torch.uint8 and model.lm_head.base.weight.dtype == torch.float64
     torch.testing.assert_close(model(*batch), reference(*batch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantized_streaming_on_the_gpu_equals_the_held_weights(format):
+    """On CUDA, under storm with Inductor: pinned packed bytes, rebuilt on the device, the same
+    loss and adapter gradients as the held weights resident under Inductor."""
+    model, batch = _lora_llama()
+    reference = _as_held(model, format).cuda()
+    stream_parameters(model, "cuda", resident_bytes=RESIDENT_BYTES, host_format=format)
+    batch = tuple(t.cuda() for t in batch)
+    packed = model.lm_head.base.parametrizations.weight.original
+    assert packed.is_pinned() and packed.dtype == torch.uint8
+    loss = torch.compile(model, backend=storm())(*batch)
+    expected = torch.compile(reference)(*batch)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    wanted = _adapter_grads(reference)
+    for name, grad in _adapter_grads(model).items():
+        torch.testing.assert_close(grad, wanted[name])

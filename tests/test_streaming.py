@@ -310,6 +310,27 @@ def test_refetch_weights_tags_each_fetch_and_nothing_else():
         assert joint.code == code
 
 
+def test_refetch_weights_tags_what_rebuilds_a_packed_weight():
+    """The cheap ops computed from fetched weights and constants alone (a packed weight's
+    unpacking: shifts, a code-book lookup, scaling) are tagged with the fetch; a matmul and
+    anything that reads an activation are not, nor is the constant code book."""
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    w, x = graph.placeholder("w"), graph.placeholder("x")
+    book = graph.get_attr("book")
+    fetched = graph.call_function(ops.fetch_weight, (w, torch.device("cpu")))
+    high = graph.call_function(aten.__rshift__.Scalar, (fetched, 4))
+    codes = graph.call_function(aten.index.Tensor, (book, [high]))
+    weight = graph.call_function(aten.mul.Tensor, (codes, 0.5))
+    product = graph.call_function(aten.mm.default, (x, weight))
+    scaled = graph.call_function(aten.mul.Tensor, (product, weight))
+    graph.output(scaled)
+    joint = fx.GraphModule({"book": torch.zeros(16)}, graph)
+    refetch_weights(joint)
+    tagged = {n.name for n in joint.graph.nodes if n.meta.get(RECOMPUTE_TAG)}
+    assert tagged == {fetched.name, high.name, codes.name, weight.name}
+
+
 def test_a_joint_pass_that_breaks_the_joint_graph_is_named(monkeypatch):
     """A joint-graph pass whose graph fails ``verify_joint`` (a gradient sent home to a value
     that is not a graph input) raises StormVerificationError naming the pass."""

@@ -396,7 +396,7 @@ def _text_table(rows: list[dict[str, object]], columns: Sequence[Column]) -> str
 THROUGHPUT_FIELDS = ("tokens", "micro_batches", "predicted_tokens_per_s", "optimizer_step_ms",
                      "micro_batch_ms", "host_wait_ms", "optimizer_ms", "exposed_transfer_ms",
                      "activation_bytes", "device_bytes", "streamed_weight_bytes",
-                     "resident_weight_bytes")
+                     "resident_weight_bytes", "host_format")
 """What ``storm throughput`` shows per tokens per micro-batch and micro-batches per step."""
 
 
@@ -419,11 +419,14 @@ THROUGHPUT_TEXT = (Column("tokens", "tokens", str), Column("micro_batches", "µb
                    Column("device_bytes", "device", _size),
                    Column("streamed_weight_bytes", "streamed", _size),
                    Column("resident_weight_bytes", "resident", _size))
-"""The columns of ``storm throughput``'s table, in the order of :data:`THROUGHPUT_FIELDS`."""
+"""The columns of ``storm throughput``'s table, in the order of :data:`THROUGHPUT_FIELDS`
+(the host format, the same in every row, is a line above it)."""
 
 
 def format_throughput(rows: list[dict[str, object]]) -> str:
-    return _text_table(rows, THROUGHPUT_TEXT)
+    formats = {row.get("host_format") for row in rows} - {None}
+    above = "".join(f"frozen streamed weights in {f}\n" for f in sorted(formats))
+    return above + _text_table(rows, THROUGHPUT_TEXT)
 
 
 SVG_SIZE = (640, 420)

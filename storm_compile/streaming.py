@@ -452,14 +452,18 @@ def checkpoint_weights(path: str | os.PathLike) -> Mapping[str, torch.Tensor]:
     """The tensors of a safetensors checkpoint (one ``.safetensors`` file, or a directory with
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``), read from disk one at
     a time when looked up: for :func:`stream_parameters`' ``weights``. Needs the
-    ``safetensors`` package (installed with transformers; ``pip install safetensors``)."""
-    return _Checkpoint(Path(path))
+    ``safetensors`` package (``pip install storm-compile[checkpoints]``; transformers installs
+    it too): without it, ``ImportError`` saying so."""
+    try:
+        from safetensors import safe_open
+    except ImportError as error:
+        raise ImportError("checkpoint_weights reads safetensors checkpoints: pip install "
+                          "storm-compile[checkpoints] (or safetensors)") from error
+    return _Checkpoint(Path(path), safe_open)
 
 
 class _Checkpoint(Mapping):
-    def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
+    def __init__(self, path: Path, safe_open) -> None:
         if path.is_dir():
             index = path / "model.safetensors.index.json"
             if index.exists():

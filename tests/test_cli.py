@@ -795,6 +795,12 @@ def test_frozen_weights_in_a_host_format_cross_the_link_packed(capsys):
     assert 0.25 * bf16 < nf4 < 0.3 * bf16
     assert main(["schedule", *STREAMED_LLAMA, "--lora", "8", "--host-format", "int8"]) == 0
     assert "(frozen weights in int8)" in capsys.readouterr().out
+    assert main(["throughput", *STREAMED_LLAMA, "--lora", "8", "--host-format", "nf4",
+                 "--tokens", "256"]) == 0
+    assert capsys.readouterr().out.startswith("frozen streamed weights in nf4\n")
+    assert main(["throughput", *STREAMED_LLAMA, "--lora", "8", "--host-format", "nf4",
+                 "--tokens", "256", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["host_format"] == "nf4"
 
 
 @pytest.mark.parametrize("weights", [["--stream", "--host-format", "nf4"],

@@ -1,6 +1,8 @@
 """Frozen streamed weights held in int8 and NF4 host formats (storm_compile.quantize)."""
 
 import copy
+import json
+import sys
 
 import pytest
 import torch
@@ -249,3 +251,23 @@ def test_quantized_streaming_on_the_gpu_equals_the_held_weights(format):
     wanted = _adapter_grads(reference)
     for name, grad in _adapter_grads(model).items():
         torch.testing.assert_close(grad, wanted[name])
+
+
+def test_a_sharded_checkpoint_is_read_one_tensor_at_a_time(tmp_path):
+    """A directory with ``model.safetensors.index.json`` maps every name to its shard."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    tensors = {"a.weight": torch.randn(4, 8), "b.weight": torch.randn(8, 4)}
+    for index, (name, value) in enumerate(tensors.items()):
+        safetensors.save_file({name: value}, str(tmp_path / f"shard-{index}.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f"shard-{i}.safetensors" for i, n in enumerate(tensors)}}))
+    weights = checkpoint_weights(tmp_path)
+    assert sorted(weights) == sorted(tensors) and len(weights) == 2
+    for name, value in tensors.items():
+        assert torch.equal(weights[name], value)
+
+
+def test_reading_a_checkpoint_without_safetensors_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    with pytest.raises(ImportError, match=r"pip install storm-compile\[checkpoints\]"):
+        checkpoint_weights(tmp_path)

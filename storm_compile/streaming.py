@@ -253,7 +253,9 @@ def _loading(module: nn.Module, prefix: str, names: tuple[str, ...], state: dict
         value = state.pop(plain)
         packed = _packing(module, name)
         if packed is not None:
-            check(packed.format, tuple(value.shape), plain)
+            if tuple(value.shape) != packed.shape:
+                raise ValueError(f"load_state_dict: {plain} has shape {tuple(value.shape)}; "
+                                 f"the model's packed weight holds {packed.shape}")
             value = quantize(value.to(packed.dtype), packed.format)[0]
         state[f"{prefix}parametrizations.{name}.original"] = value
 

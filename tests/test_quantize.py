@@ -181,6 +181,9 @@ def test_state_dict_gives_the_rebuilt_weights_and_loading_packs_them():
             param.zero_()
     other.load_state_dict(state)
     torch.testing.assert_close(other(*batch), reference(*batch))
+    state["lm_head.base.weight"] = state["lm_head.base.weight"][:-64]
+    with pytest.raises(ValueError, match=r"lm_head.base.weight has shape \(192, 64\)"):
+        other.load_state_dict(state)
 
 
 def test_host_memory_counts_frozen_weights_once_in_their_format(monkeypatch):

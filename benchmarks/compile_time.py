@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 from tabulate import tabulate
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _ratio
 from storm_compile import storm
@@ -86,6 +86,19 @@ CACHE_COUNTERS = {
     "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
 }
 """``torch._dynamo.utils.counters`` entries read by the child; absent ones read as 0."""
+PHASES = {
+    "tracing": ("bytecode_tracing", "aot_trace_joint_graph"),
+    "partition": ("StormPartitioner", "min_cut_rematerialization_partition"),
+    "Inductor forward": ("compile_fx.<locals>.fw_compiler_base",),
+    "Inductor backward": ("compile_fx.<locals>.bw_compiler",),
+    "cache load": ("AOTAutogradCache.inductor_load",),
+}
+"""Where a first step's seconds went, from the compile phases torch times
+(``torch._dynamo.utils.compilation_time_metrics``, summed over a phase's names; a name this
+torch does not time counts 0): Dynamo's and AOTAutograd's tracing, the partition (storm's whole
+pipeline, or Inductor's min-cut), Inductor compiling each graph, a cache hit's load. The first
+step's ``other`` is what is left: running it (pinned buffers allocated, kernels autotuned at
+their first launch) and what the phases above do not cover."""
 CACHE_LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 """Loggers that say, at INFO, why a graph bypassed the FX graph or AOTAutograd cache."""
 
@@ -174,10 +187,19 @@ def child(backend_name: str, model_name: str, device: str, profile: Path | None 
     steady_s = statistics.median(step() for _ in range(STEADY_STEPS))
     result = {"first_step_s": first_s, "steady_step_s": steady_s,
               "compile_s": first_s - steady_s, "backend_setup_s": setup_s,
-              "bypass_reasons": sorted(reasons)}
+              "bypass_reasons": sorted(reasons), "phases_s": phase_seconds(first_s)}
     for group, names in CACHE_COUNTERS.items():
         result.update({name: counters[group][name] for name in names})
     return result
+
+
+def phase_seconds(first_s: float) -> dict[str, float]:
+    """Seconds of each of :data:`PHASES` this process spent, and ``other``: the rest of
+    ``first_s``."""
+    metrics = compilation_time_metrics
+    phases = {phase: sum(sum(metrics.get(name, ())) for name in names)
+              for phase, names in PHASES.items()}
+    return {**phases, "other": first_s - sum(phases.values())}
 
 
 def error_line(error: BaseException) -> str:
@@ -279,8 +301,18 @@ def markdown(rows: list[dict]) -> str:
     reasons = sorted({reason for r in rows for phase in ("cold", "warm")
                       for reason in r[phase].get("bypass_reasons", ())})
     notes = "".join(f"\n- {reason}" for reason in reasons)
-    return tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g",
-                    missingval="") + (f"\nCache bypass reasons:\n{notes}\n" if notes else "\n")
+    return (tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g", missingval="")
+            + (f"\nCache bypass reasons:\n{notes}\n" if notes else "\n")
+            + "\nWhere each first step's seconds went:\n\n" + phases_markdown(rows))
+
+
+def phases_markdown(rows: list[dict]) -> str:
+    """One line per row and phase (cold, warm) that ran: its seconds in each of
+    :data:`PHASES` and ``other``."""
+    table = [{"model": r["model"], "backend": r["backend"], "phase": phase,
+              **{name: seconds for name, seconds in r[phase]["phases_s"].items()}}
+             for r in rows for phase in ("cold", "warm") if "phases_s" in r[phase]]
+    return tabulate(table, headers="keys", tablefmt="github", floatfmt=".1f") + "\n"
 
 
 def cuda_missing(benchmark: str, smoke: bool) -> bool:

@@ -339,6 +339,22 @@ def test_trainer_smoke_measures_every_variant_of_both_parts(tmp_path):
     assert "| storm-streamed-lora " in table and "| inductor-amb-0.5 " in table
 
 
+def test_compile_time_splits_a_first_step_into_torchs_timed_phases(monkeypatch):
+    from benchmarks import compile_time
+
+    metrics = {"bytecode_tracing": [1.0], "aot_trace_joint_graph": [0.5],
+               "StormPartitioner": [2.0], "compile_fx.<locals>.fw_compiler_base": [3.0, 1.0],
+               "compile_fx.<locals>.bw_compiler": [4.0], "GraphLowering.run": [9.0]}
+    monkeypatch.setattr(compile_time, "compilation_time_metrics", metrics)
+    phases = compile_time.phase_seconds(first_s=20.0)
+    assert phases == {"tracing": 1.5, "partition": 2.0, "Inductor forward": 4.0,
+                      "Inductor backward": 4.0, "cache load": 0, "other": 8.5}
+    rows = [{"model": "gpt-L2", "backend": "storm", "cold": {"phases_s": phases},
+             "warm": {"error": "timed out"}}]
+    lines = compile_time.phases_markdown(rows).splitlines()
+    assert len(lines) == 3 and "| cold " in lines[2] and "8.5" in lines[2]
+
+
 def test_compile_time_measures_inductor_once_for_a_model_and_its_streamed_twin():
     from benchmarks import compile_time
 

@@ -114,14 +114,15 @@ def _multi_output(node: fx.Node) -> bool:
 def _recompute_chain(root: fx.Node, members: list[fx.Node], saved: set[fx.Node]
                      ) -> tuple[tuple[fx.Node, ...], str | None]:
     """The forward nodes the backward would run to rebuild ``root`` and its saved views
-    ``members`` from the values that stay saved (``saved``) and graph inputs, with the reason
-    it cannot be rebuilt (then no chain), or None.
+    ``members`` from the values that stay saved (``saved``, less ``root`` and ``members``) and
+    graph inputs, with the reason it cannot be rebuilt (then no chain), or None.
 
     The chain holds the view nodes from ``root`` to each member, and a multi-output op in it
     (``native_layer_norm``, ``topk``, attention, ``unbind``) comes with all of its items: the
     partitioner can only recompute a tuple whole, so the storage cannot be recomputed when
     another item of the same op stays saved."""
     start = [root, *(v for m in members for v in view_chain(m))]
+    own = {root, *members}
     chain, seen, stack = [], set(start), list(start)
     while stack:
         node = stack.pop()
@@ -135,12 +136,12 @@ def _recompute_chain(root: fx.Node, members: list[fx.Node], saved: set[fx.Node]
                         f"which could differ in the backward")
         chain.append(node)
         items = list(node.users) if _multi_output(node) else []
-        kept = [item.name for item in items if item in saved]
+        kept = [item.name for item in items if item in saved and item not in own]
         if kept:
             return (), (f"{node.name} also produces {', '.join(kept)}, which stays saved: a "
                         f"multi-output op is recomputed whole or not at all")
         for arg in (*node.all_input_nodes, *items):
-            if arg not in seen and arg not in saved:
+            if arg not in seen and (arg not in saved or arg in own):
                 seen.add(arg)
                 stack.append(arg)
     return tuple(chain), None
@@ -156,7 +157,7 @@ def _items(graphs: StormGraphs, movable: tuple[Storage, ...],
     items = []
     for storage in movable:
         chain, why_not = ((), no_recompute) if no_recompute else _recompute_chain(
-            storage.root, list(storage.members), saved - {storage.root, *storage.members})
+            storage.root, list(storage.members), saved)
         hides = isinstance(hiding[storage.root], Placement)
         items.append(_Item(storage, Figures(
             offload_s=host + (0.0 if hides else ctx.cost.transfer_seconds(storage.nbytes,
@@ -195,10 +196,15 @@ class _Rebuilds:
     that rebuild forward to its own first use. One link moves a rebuild by one step (the loss's
     log-softmax reading the final norm's output). Longer chains (each layer's residual sum
     rebuilt from the one before) are rebuilt together at the top of the backward and held
-    there: on a 1B Llama, a budget of 0.3 measured a higher peak than 0.5 before this rule."""
+    there: on a 1B Llama, a budget of 0.3 measured a higher peak than 0.5 before this rule.
+
+    The taken rebuilds are indexed by the nodes they rebuild and the nodes they read, so a
+    question costs the size of one chain, not the number taken (an 80-layer model takes
+    thousands)."""
 
     def __init__(self) -> None:
-        self.taken: list[_Rebuild] = []
+        self._rebuilt_by: dict[fx.Node, list[_Rebuild]] = {}
+        self._read_by: dict[fx.Node, list[_Rebuild]] = {}
 
     @staticmethod
     def _of(item: _Item) -> _Rebuild:
@@ -207,8 +213,9 @@ class _Rebuilds:
 
     def _links(self, new: _Rebuild) -> tuple[list[_Rebuild], list[_Rebuild]]:
         """The taken rebuilds ``new`` reads, and those that read ``new``."""
-        return ([t for t in self.taken if new.reads & t.nodes],
-                [t for t in self.taken if t.reads & new.nodes])
+        reads = {id(t): t for n in new.reads for t in self._rebuilt_by.get(n, ())}
+        read_by = {id(t): t for n in new.nodes for t in self._read_by.get(n, ())}
+        return list(reads.values()), list(read_by.values())
 
     def clashes(self, item: _Item) -> bool:
         """Whether taking ``item``'s recomputation would make a chain of two links."""
@@ -228,7 +235,10 @@ class _Rebuilds:
         for taken in read_by:
             taken.reads_rebuilt = True
         new.reads_rebuilt, new.read_by_rebuild = bool(reads), bool(read_by)
-        self.taken.append(new)
+        for node in new.nodes:
+            self._rebuilt_by.setdefault(node, []).append(new)
+        for node in new.reads:
+            self._read_by.setdefault(node, []).append(new)
 
 
 def _offloaded(item: _Item) -> _Item:

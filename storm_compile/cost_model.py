@@ -20,7 +20,7 @@ from torch.utils.flop_counter import flop_registry
 
 from storm_compile import ops
 from storm_compile.profiles import DeviceProfile
-from storm_compile.torch_private import OpOverload, tree_leaves, unset_fake_temporarily
+from storm_compile.torch_private import OpOverload, unset_fake_temporarily
 from storm_compile.vocabulary import (
     MS,
     Lane,
@@ -28,6 +28,7 @@ from storm_compile.vocabulary import (
     hint_shape,
     is_compute,
     is_view,
+    leaves,
     storage_owner,
     tensor_bytes,
 )
@@ -246,10 +247,10 @@ class CostModel:
             value = hint(value)
             return value if isinstance(value, (int, float, bool, str, type(None))) else type(value)
 
-        args = tuple(describe(v) for v in tree_leaves([_value(a) for a in node.args]))
+        args = tuple(describe(v) for v in leaves([_value(a) for a in node.args]))
         kwargs = tuple((k, describe(v)) for k, v in node.kwargs.items())
         return (node.target, args, kwargs,
-                tuple(describe(v) for v in tree_leaves(node.meta.get("val"))))
+                tuple(describe(v) for v in leaves(node.meta.get("val"))))
 
     def _key(self, node: fx.Node) -> tuple:
         return (*self.describe(node), self._traffic(node), materialized(node))
@@ -277,7 +278,7 @@ class CostModel:
 
     def _roofline(self, node: fx.Node) -> float:
         out = node.meta.get("val")
-        dtypes = [v.dtype for v in tree_leaves(out) if isinstance(v, torch.Tensor)]
+        dtypes = [v.dtype for v in leaves(out) if isinstance(v, torch.Tensor)]
         rate = self.profile.matmul_flops if dtypes and dtypes[0] in HALF_PRECISION \
             else self.profile.fp32_flops
         packet = getattr(node.target, "overloadpacket", None)

@@ -13,7 +13,6 @@ import torch
 from torch import fx
 
 from storm_compile import ops
-from storm_compile.torch_private import tree_leaves
 
 US = 1e6
 """Microseconds per second."""
@@ -62,13 +61,35 @@ def hint(value):
 
 def hint_shape(value: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The tensor's sizes and strides at the traced example sizes."""
-    return tuple(hint(s) for s in value.shape), tuple(hint(s) for s in value.stride())
+    return (tuple(s if type(s) is int else hint(s) for s in value.shape),
+            tuple(s if type(s) is int else hint(s) for s in value.stride()))
+
+
+def leaves(value) -> list:
+    """The values in ``value`` that are not None, lists, tuples (named or not) or dicts, in
+    order: ``torch.utils._pytree.tree_leaves`` for the containers a graph's arguments and
+    example values are made of, at a fraction of its cost (the cost model asks for every node
+    of every plan the search makes)."""
+    if not isinstance(value, (list, tuple, dict)):
+        return [] if value is None else [value]
+    found, stack = [], [value]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            stack.extend(reversed(list(current.values())))
+        elif isinstance(current, (list, tuple)):
+            stack.extend(reversed(current))
+        elif current is not None:
+            found.append(current)
+    return found
 
 
 def tensor_bytes(value) -> int:
     """Bytes of every tensor in ``value`` (a tensor, or nested lists/tuples/dicts of them), at
     the traced example sizes; non-tensors count 0."""
-    return sum(hint(v.numel()) * v.element_size() for v in tree_leaves(value)
+    if isinstance(value, torch.Tensor):
+        return hint(value.numel()) * value.element_size()
+    return sum(hint(v.numel()) * v.element_size() for v in leaves(value)
                if isinstance(v, torch.Tensor))
 
 

@@ -162,3 +162,24 @@ def test_a_fused_value_read_through_a_view_stays_fused_unless_the_view_escapes()
     assert inside["aten._log_softmax.default"] is False
     escaping = _materialized(lambda x: torch.log_softmax(x, -1).view(-1), (8, 32))
     assert escaping["aten._log_softmax.default"] is True
+
+
+def test_an_nf4_weight_is_rebuilt_in_one_kernel_that_writes_only_the_weight():
+    """Inductor lowers the code book's gather to an indirect load: the int64 codes and the
+    float32 code-book values are never written, the bf16 weight is (the matmul reads it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from storm_compile.quantize import Packed, dequantize
+
+    packed = Packed("nf4", (64, 128), torch.bfloat16)
+    with FakeTensorMode():
+        data = torch.empty(packed.nbytes, dtype=torch.uint8)
+        x = torch.empty(8, 128, dtype=torch.bfloat16)
+        gm = make_fx(lambda d, x: x @ dequantize(d, packed).t())(data, x)
+    written = {n.meta["val"].dtype for n in gm.graph.nodes
+               if n.op == "call_function" and materialized(n)
+               and isinstance(n.meta.get("val"), torch.Tensor)
+               and n.meta["val"].dim() > 0 and n.meta["val"].numel() >= 64 * 128}
+    assert torch.int64 not in written and torch.float32 not in written
+    assert torch.bfloat16 in written

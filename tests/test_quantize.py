@@ -141,6 +141,23 @@ def test_a_rebuilt_weight_is_never_saved_for_the_backward():
     assert saved and not shapes & set(saved)
 
 
+@pytest.mark.parametrize("format", [*FORMATS, None])
+def test_a_packed_weight_holds_its_copy_and_its_rebuilt_weight_while_read(format):
+    """What a byte budget pays for a streamed weight being read: its copy, and for a packed
+    one the weight rebuilt in its dtype beside it (the largest such weight decides)."""
+    model, batch = _lora_llama()
+    logical = {id(p): p.numel() * p.element_size() for p in model.parameters() if _big(p)}
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format=format)
+    captured = []
+    backend = StormBackend(StormConfig.from_options(**CPU_TEST_OPTIONS),
+                           observer=captured.append)
+    torch.compile(model, backend=backend)(*batch).backward()
+    weights = streaming.device_weights(captured[0].forward, 0)
+    copied = weights.largest.meta["val"].numel() * weights.largest.meta["val"].element_size()
+    rebuilt = 0 if format is None else max(logical.values())
+    assert weights.largest_bytes == copied + rebuilt
+
+
 def test_trainable_weights_keep_their_dtype_and_naming_one_is_an_error():
     """A model-wide format packs the frozen weights only; a module named in a per-module
     format whose own parameter trains is an error before anything moves."""

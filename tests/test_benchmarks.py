@@ -355,6 +355,28 @@ def test_compile_time_splits_a_first_step_into_torchs_timed_phases(monkeypatch):
     assert len(lines) == 3 and "| cold " in lines[2] and "8.5" in lines[2]
 
 
+@pytest.mark.parametrize("backend", ["inductor", "storm"])
+def test_every_compile_phase_names_what_this_torch_times(backend):
+    """A compile that no cache serves times a name of every phase but a cache hit's load: a
+    phase renamed by torch (or storm's partitioner renamed) would read 0 s unseen."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    from benchmarks import compile_time
+    from storm_compile import storm
+
+    torch._dynamo.reset()
+    compilation_time_metrics.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    chosen = "inductor" if backend == "inductor" else storm(transfer_cpu_tensors=True)
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        torch.compile(model, backend=chosen)(torch.randn(4, 16)).sum().backward()
+    timed = set(compilation_time_metrics)
+    missing = [phase for phase, names in compile_time.PHASES.items()
+               if phase != "cache load" and not timed & set(names)]
+    assert not missing, f"{missing} time none of {sorted(timed)}"
+
+
 def test_compile_time_measures_inductor_once_for_a_model_and_its_streamed_twin():
     from benchmarks import compile_time
 

@@ -78,9 +78,10 @@ table), which it fuses like them: a cross-entropy over a large vocabulary writes
 gradient in the logits' dtype, never the float32 log-probabilities or a float32 gradient."""
 FUSIBLE_GATHERS = frozenset({aten.index.Tensor})
 """Gathers Inductor lowers to an indirect load inside a pointwise kernel: rebuilding an nf4
-weight (a code book indexed by its 4-bit codes, scaled, cast) compiles to one kernel that
-writes only the rebuilt weight, never the int64 codes or the float32 values of the code book
-(8 and 4 bytes per element, 6 GiB at a 3B model's embedding)."""
+weight (a code book indexed by its 4-bit codes, scaled, cast) compiles to a kernel splitting
+the bytes into codes and one gathering, scaling and casting them, which writes only the
+rebuilt weight, never the int64 codes or the float32 values of the code book (12 bytes per
+element, 4.4 GiB at a 3B model's embedding)."""
 
 
 def is_fusible(node: fx.Node) -> bool:

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
-from torch.utils.flop_counter import flop_registry
 
 from storm_compile import ops
 from storm_compile.cycles import OVERLAPPABLE, step_parameter
@@ -36,7 +35,14 @@ from storm_compile.host_residency import keep_on_host
 from storm_compile.quantize import Packed, StormQuantizeError, check, dequantize, quantize
 from storm_compile.runtime import _TENSOR_GRAD, get_runtime, pin_quickly
 from storm_compile.torch_private import DisableTorchFunctionSubclass, is_in_torch_dispatch_mode
-from storm_compile.vocabulary import GIB, MIB, RECOMPUTE_TAG, is_view, tensor_bytes
+from storm_compile.vocabulary import (
+    GIB,
+    MIB,
+    graph_constants,
+    is_view,
+    rebuilds_weight,
+    tensor_bytes,
+)
 
 DEFAULT_RESIDENT_BYTES = 1 * MIB
 """Parameters smaller than this stay on the device: a copy pays ~25 µs of fixed latency on the
@@ -643,16 +649,16 @@ def device_weights(forward: fx.GraphModule, window: int) -> DeviceWeights | None
 
 def _rebuilt_bytes(weight: fx.Node) -> int:
     """Device bytes a streamed weight's rebuild writes besides its copy while it is read: the
-    largest value written by the ops ``refetch_weights`` tagged as rebuilding it (a weight held
-    in a host format rebuilt in its dtype, a cast); 0 when it is read as copied. The walk
-    follows views (storm's events among them) and tagged ops without a FLOP formula whose
-    inputs are the weight's or constants."""
+    largest value written by the ops that rebuild it from its copy (:func:`rebuilds_weight`,
+    the ops ``refetch_weights`` fetches again: a weight held in a host format rebuilt in its
+    dtype, a cast); 0 when it is read as copied."""
     from storm_compile.cost_model import materialized
 
+    constants = graph_constants(weight.graph)
     rebuilt, largest, frontier = {weight}, 0, [weight]
     while frontier:
         for user in frontier.pop().users:
-            if user in rebuilt or not _rebuilds(user, rebuilt):
+            if user in rebuilt or not rebuilds_weight(user, rebuilt, constants):
                 continue
             rebuilt.add(user)
             frontier.append(user)
@@ -660,21 +666,3 @@ def _rebuilt_bytes(weight: fx.Node) -> int:
                     and materialized(user):
                 largest = max(largest, tensor_bytes(user.meta.get("val")))
     return largest
-
-
-def _rebuilds(node: fx.Node, rebuilt: set[fx.Node]) -> bool:
-    """Whether ``node`` copies, views or rebuilds values in ``rebuilt`` (with constants)."""
-    if node.op != "call_function":
-        return False
-    if node.target in (ops.fetch_weight, ops.prefetch) or is_view(node):
-        return node.args[0] in rebuilt
-    return (RECOMPUTE_TAG in node.meta
-            and getattr(node.target, "overloadpacket", None) not in flop_registry
-            and all(i in rebuilt or _constant(i) for i in node.all_input_nodes))
-
-
-def _constant(node: fx.Node) -> bool:
-    """A graph constant (a ``get_attr``, such as a code book) or made from constants alone."""
-    return node.op == "get_attr" or (node.op == "call_function"
-                                     and all(_constant(i) for i in node.all_input_nodes)
-                                     and bool(node.all_input_nodes))

@@ -11,8 +11,10 @@ import operator
 
 import torch
 from torch import fx
+from torch.utils.flop_counter import flop_registry
 
 from storm_compile import ops
+from storm_compile.torch_private import OpOverload
 
 US = 1e6
 """Microseconds per second."""
@@ -202,3 +204,32 @@ def view_closure(node: fx.Node, order: dict[fx.Node, int]) -> tuple[list[fx.Node
             else:
                 readers.add(user)
     return sorted(views, key=order.__getitem__), sorted(readers, key=order.__getitem__)
+
+
+def is_constant(node: fx.Node, constants: set[fx.Node]) -> bool:
+    """Whether ``node`` is a constant of the graph (a ``get_attr``, such as a code book), or
+    made from ``constants`` alone by an op that draws no random numbers."""
+    if node.op == "get_attr":
+        return True
+    return (node.op == "call_function" and isinstance(node.target, OpOverload)
+            and torch.Tag.nondeterministic_seeded not in node.target.tags
+            and all(i in constants for i in node.all_input_nodes))
+
+
+def graph_constants(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes of ``graph`` that are constants (:func:`is_constant`)."""
+    constants: set[fx.Node] = set()
+    for node in graph.nodes:
+        if is_constant(node, constants):
+            constants.add(node)
+    return constants
+
+
+def rebuilds_weight(node: fx.Node, fetched: set[fx.Node], constants: set[fx.Node]) -> bool:
+    """Whether ``node`` computes only from ``fetched`` weights (at least one) and
+    ``constants``, cheaply: an op without a FLOP formula (a copy, a view, a cast, the ops that
+    rebuild a packed weight), never a matmul or what reads the batch."""
+    inputs = node.all_input_nodes
+    return (node.op == "call_function" and any(i in fetched for i in inputs)
+            and all(i in fetched or i in constants for i in inputs)
+            and getattr(node.target, "overloadpacket", None) not in flop_registry)

@@ -639,7 +639,8 @@ def device_weights(forward: fx.GraphModule, window: int) -> DeviceWeights | None
     if not streamed:
         return None
     sizes = {n: tensor_bytes(n.meta.get("val")) for n in inputs}
-    read = {n: sizes[n] + _rebuilt_bytes(n) for n in streamed}
+    constants = graph_constants(forward.graph)
+    read = {n: sizes[n] + _rebuilt_bytes(n, constants) for n in streamed}
     largest = max(streamed, key=read.__getitem__)
     return DeviceWeights(
         resident_bytes=sum(sizes[n] for n in inputs if n not in streamed),
@@ -647,14 +648,14 @@ def device_weights(forward: fx.GraphModule, window: int) -> DeviceWeights | None
         largest=largest, largest_bytes=read[largest])
 
 
-def _rebuilt_bytes(weight: fx.Node) -> int:
+def _rebuilt_bytes(weight: fx.Node, constants: set[fx.Node]) -> int:
     """Device bytes a streamed weight's rebuild writes besides its copy while it is read: the
     largest value written by the ops that rebuild it from its copy (:func:`rebuilds_weight`,
     the ops ``refetch_weights`` fetches again: a weight held in a host format rebuilt in its
-    dtype, a cast); 0 when it is read as copied."""
+    dtype, a cast; ``constants`` are its graph's :func:`graph_constants`); 0 when it is read
+    as copied."""
     from storm_compile.cost_model import materialized
 
-    constants = graph_constants(weight.graph)
     rebuilt, largest, frontier = {weight}, 0, [weight]
     while frontier:
         for user in frontier.pop().users:

@@ -89,6 +89,7 @@ from torch import nn
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
+from benchmarks.memory_at_oom import record_until_oom
 from benchmarks.trace_analysis import profiled
 from storm_compile.backend import StormBackend
 from storm_compile.calibrate import profile_for
@@ -127,6 +128,9 @@ ALLOCATOR = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 streamed step frees and reallocates weight-sized blocks on three streams, and with fixed
 segments the 8B step at a 24 GiB cap failed with 1.38 GiB reserved but unallocated; with
 expandable segments it trained."""
+OOM_REPORT = "oom.txt"
+"""With ``--oom-report``: what held the device at the first failed allocation
+(:mod:`benchmarks.memory_at_oom`)."""
 LINK_CROSSINGS = 2
 """Times a streamed weight crosses the link per micro-batch (forward and backward): the
 link-bound limit of a frozen base counts every host byte twice."""
@@ -564,6 +568,9 @@ def _parse(argv):
     parser.add_argument("--host-format", default=None, choices=FORMATS,
                         help=f"with --lora: storm holds the frozen streamed weights in this "
                              f"format; {REFERENCE} trains on the same quantized weights, resident")
+    parser.add_argument("--oom-report", action="store_true",
+                        help="record the allocator's history (slower steps) and write what "
+                             "held the device at the first failed allocation to OUT/oom.txt")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run of the harness")
     parser.add_argument("--out", type=Path, default=Path("bench-out/streaming"))
     args = parser.parse_args(argv)
@@ -602,6 +609,8 @@ def main(argv=None) -> int:
     args.resident_bytes = DEFAULT_RESIDENT_BYTES if cuda else SMOKE_RESIDENT_BYTES
     args.sync = torch.cuda.synchronize if cuda else (lambda: None)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.oom_report and cuda:
+        record_until_oom(args.out / OOM_REPORT)
     if args.log is not None:
         handler = logging.FileHandler(args.log, mode="w")
         handler.setFormatter(logging.Formatter("%(relativeCreated).1f ms %(message)s"))

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import activation_memory, optimizer, streaming
+from benchmarks import activation_memory, memory_at_oom, optimizer, streaming
 from benchmarks.trace_analysis import analyse
 from storm_compile.config import PRESETS
 from storm_compile.prediction import Prediction
@@ -439,3 +439,28 @@ def test_streaming_refuses_a_host_format_without_adapters(capsys):
     with pytest.raises(SystemExit):
         streaming.main(["--smoke", "--host-format", "nf4"])
     assert "--host-format holds frozen weights: it needs --lora RANK" in capsys.readouterr().err
+
+
+def test_memory_at_oom_groups_live_blocks_by_the_line_outside_torch(tmp_path):
+    """The report counts only live blocks, puts each down to its first frame outside torch
+    with that line's source, and sorts the sites by the bytes they hold."""
+    source = tmp_path / "graph.py"
+    source.write_text("buf0 = empty_strided_cuda((8192, 28672), torch.bfloat16)\nbuf1 = x\n")
+    torch_frame = {"filename": "/x/site-packages/torch/cuda/memory.py", "line": 3, "name": "f"}
+
+    def block(size: int, line: int, state: str = "active_allocated") -> dict:
+        frame = {"filename": str(source), "line": line, "name": "call"}
+        return {"size": size, "state": state, "frames": [torch_frame, frame]}
+
+    mib = 1 << 20
+    snapshot = {"segments": [
+        {"total_size": 1024 * mib, "blocks": [block(448 * mib, 1), block(448 * mib, 1),
+                                              block(64 * mib, 2), block(64 * mib, 2, "inactive")]},
+    ]}
+    report = memory_at_oom.summary(snapshot, 448 * mib).splitlines()
+    assert report[0] == "failed allocation: 448.0 MiB"
+    assert "live 0.938 GiB in 3 blocks" in report[1]
+    sites = report[report.index("sites holding the most bytes:") + 1:][:2]
+    assert sites[0].split()[:4] == ["896.0", "MiB", "2", "blocks"]
+    assert sites[0].endswith("buf0 = empty_strided_cuda((8192, 28672), torch.bfloat16)")
+    assert sites[1].endswith("buf1 = x")

@@ -23,17 +23,23 @@ HISTORY_ENTRIES = 200_000
 SITES_REPORTED = 40
 BLOCKS_REPORTED = 20
 LIBRARY_PATH = "/site-packages/torch/"
-"""Frames in torch itself are skipped: a block's site is the first frame outside it (the model,
-storm, or Inductor's generated code, which lives in its cache directory)."""
+"""Frames in torch itself are skipped: a block's site is the frames outside it (the model,
+storm, Inductor's generated code, which lives in its cache directory)."""
+
+
+SITE_FRAMES = 2
+"""Frames outside torch a site names, innermost first: storm's eager op and the line of the
+compiled graph that called it."""
 
 
 def _site(frames: list[dict]) -> str:
-    for frame in frames:
-        filename = frame.get("filename", "")
-        if LIBRARY_PATH not in filename and not filename.startswith("<"):
-            source = linecache.getline(filename, frame.get("line", 0)).strip()
-            return f"{filename}:{frame.get('line')} {frame.get('name')}: {source}"
-    return "(no frame outside torch)"
+    outside = [f for f in frames if LIBRARY_PATH not in f.get("filename", "")
+               and not f.get("filename", "").startswith("<")][:SITE_FRAMES]
+    if not outside:
+        return "(no frame outside torch)"
+    return " <- ".join(
+        f"{f['filename']}:{f.get('line')} {f.get('name')}: "
+        f"{linecache.getline(f['filename'], f.get('line', 0)).strip()}" for f in outside)
 
 
 def summary(snapshot: dict, failed_bytes: int) -> str:

@@ -22,7 +22,12 @@ every buffer or operation it must follow (Inductor's own reorderings rely on the
 Guarantees: the result is a topological order of the same nodes; compute kernels appear in
 their input order; each transfer kernel appears as soon after its anchor's kernel (for a copy
 home's wait, and after the kernels that keep its copy's overlap) as its dependencies allow
-(never before a kernel it reads, never after a kernel that reads it).
+(never before a kernel it reads, never after a kernel that reads it), or right before the
+first compute kernel that reads it (directly or through other transfers) when Inductor put
+that kernel before the anchor's. A prefetch's wait anchored after a node that Inductor ran
+late (one only saved for the backward) would otherwise hold back its reader and every kernel
+after it, and the prefetches of later layers would run first (Inductor's CPU kernels of the
+built-in gpt have such waits).
 """
 
 from __future__ import annotations
@@ -135,21 +140,9 @@ def _earliest(kernel_of: dict[fx.Node, int]) -> Callable[[fx.Node], int]:
     return after
 
 
-def pin_transfers(snodes: list[Any]) -> list[Any]:
-    """``snodes`` with every storm transfer kernel back after its anchor (see module doc)."""
-    transfers = {id(s): t for s in snodes if (t := _transfer_node(s)) is not None}
-    if not transfers:
-        return snodes
-    kernel_of: dict[fx.Node, int] = {}
-    for index, snode in enumerate(snodes):
-        if id(snode) not in transfers:
-            for origin in _origins(snode):
-                kernel_of.setdefault(origin, index)
-    order = {n: i for i, n in enumerate(next(iter(transfers.values())).graph.nodes)}
-    after = _earliest(kernel_of)
-    key = {id(s): ((after(transfers[id(s)]), 1, order[transfers[id(s)]])
-                   if id(s) in transfers else (index, 0, 0)) for index, s in enumerate(snodes)}
-
+def dependencies(snodes: list[Any]) -> tuple[dict[int, list[Any]], dict[int, int]]:
+    """Each scheduler node's successors (the nodes that depend on it) and the number of nodes
+    it depends on, by ``id``, from their ``unmet_dependencies``."""
     producer: dict[str, Any] = {}
     for snode in snodes:
         for name in (*snode.get_buffer_names(), *snode.get_operation_names()):
@@ -162,6 +155,38 @@ def pin_transfers(snodes: list[Any]) -> list[Any]:
         waiting[id(snode)] = len(before)
         for pred in before.values():
             successors[id(pred)].append(snode)
+    return successors, waiting
+
+
+def first_readers(snodes: list[Any], transfers: dict[int, fx.Node],
+                   successors: dict[int, list[Any]]) -> dict[int, int]:
+    """For each transfer kernel of ``snodes`` (a legal order), the index of the first compute
+    kernel that reads it, directly or through other transfers (``len(snodes)`` when none)."""
+    index = {id(s): i for i, s in enumerate(snodes)}
+    first: dict[int, int] = {}
+    for snode in reversed(snodes):
+        if id(snode) in transfers:
+            first[id(snode)] = min((first[id(u)] if id(u) in transfers else index[id(u)]
+                                    for u in successors[id(snode)]), default=len(snodes))
+    return first
+
+
+def pin_transfers(snodes: list[Any]) -> list[Any]:
+    """``snodes`` with every storm transfer kernel back after its anchor (see module doc)."""
+    transfers = {id(s): t for s in snodes if (t := _transfer_node(s)) is not None}
+    if not transfers:
+        return snodes
+    kernel_of: dict[fx.Node, int] = {}
+    for index, snode in enumerate(snodes):
+        if id(snode) not in transfers:
+            for origin in _origins(snode):
+                kernel_of.setdefault(origin, index)
+    successors, waiting = dependencies(snodes)
+    order = {n: i for i, n in enumerate(next(iter(transfers.values())).graph.nodes)}
+    after, readers = _earliest(kernel_of), first_readers(snodes, transfers, successors)
+    key = {id(s): (min((after(transfers[id(s)]), 1), (readers[id(s)], -1))
+                   + (order[transfers[id(s)]],) if id(s) in transfers else (index, 0, 0))
+           for index, s in enumerate(snodes)}
 
     ready = [(key[id(s)], id(s), s) for s in snodes if waiting[id(s)] == 0]
     heapq.heapify(ready)

@@ -442,15 +442,18 @@ def test_streaming_refuses_a_host_format_without_adapters(capsys):
 
 
 def test_memory_at_oom_groups_live_blocks_by_the_line_outside_torch(tmp_path):
-    """The report counts only live blocks, puts each down to its first frame outside torch
-    with that line's source, and sorts the sites by the bytes they hold."""
+    """The report counts only live blocks, puts each down to its first two frames outside
+    torch with their lines' source, and sorts the sites by the bytes they hold."""
     source = tmp_path / "graph.py"
-    source.write_text("buf0 = empty_strided_cuda((8192, 28672), torch.bfloat16)\nbuf1 = x\n")
+    source.write_text("buf0 = empty_strided_cuda((8192, 28672), torch.bfloat16)\nbuf1 = x\n"
+                      "call()\nlast = 0\n")
     torch_frame = {"filename": "/x/site-packages/torch/cuda/memory.py", "line": 3, "name": "f"}
 
     def block(size: int, line: int, state: str = "active_allocated") -> dict:
         frame = {"filename": str(source), "line": line, "name": "call"}
-        return {"size": size, "state": state, "frames": [torch_frame, frame]}
+        caller, outermost = ({"filename": str(source), "line": n, "name": "run"} for n in (3, 4))
+        return {"size": size, "state": state,
+                "frames": [torch_frame, frame, torch_frame, caller, outermost]}
 
     mib = 1 << 20
     snapshot = {"segments": [
@@ -462,5 +465,6 @@ def test_memory_at_oom_groups_live_blocks_by_the_line_outside_torch(tmp_path):
     assert "live 0.938 GiB in 3 blocks" in report[1]
     sites = report[report.index("sites holding the most bytes:") + 1:][:2]
     assert sites[0].split()[:4] == ["896.0", "MiB", "2", "blocks"]
-    assert sites[0].endswith("buf0 = empty_strided_cuda((8192, 28672), torch.bfloat16)")
-    assert sites[1].endswith("buf1 = x")
+    assert sites[0].endswith("buf0 = empty_strided_cuda((8192, 28672), torch.bfloat16) <- "
+                             f"{source}:3 run: call()")
+    assert sites[1].endswith(f"buf1 = x <- {source}:3 run: call()")

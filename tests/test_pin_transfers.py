@@ -133,6 +133,37 @@ def test_golden_a_wait_stays_after_its_anchor_when_the_compute_order_is_kept():
     assert _names(pin.pin_transfers(kept)) == _names(kept)
 
 
+def _layers() -> dict[str, _SNode]:
+    """Two layers that read streamed weights: ``a = relu(x)``, ``p = prefetch(w)``, ``s =
+    sin(x)`` (kept for the backward), ``wt = wait_event(p)``, ``c = mm(a, wt)``, then ``p2 =
+    prefetch(w2)``, ``wt2 = wait_event(p2)``, ``d = mm(c, wt2)``, in that FX order, one
+    scheduler node per call."""
+    graph = fx.Graph()
+    x, w, w2 = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("w2")
+    a = graph.call_function(aten.relu.default, (x,), name="a")
+    p = graph.call_function(ops.prefetch, (w, "cuda"), name="p")
+    s = graph.call_function(aten.sin.default, (x,), name="s")
+    wt = graph.call_function(ops.wait_event, (p,), name="wt")
+    c = graph.call_function(aten.mm.default, (a, wt), name="c")
+    p2 = graph.call_function(ops.prefetch, (w2, "cuda"), name="p2")
+    wt2 = graph.call_function(ops.wait_event, (p2,), name="wt2")
+    d = graph.call_function(aten.mm.default, (c, wt2), name="d")
+    graph.output((d, s))
+    return {"a": _SNode(a, []), "p": _SNode(p, []), "s": _SNode(s, []), "wt": _SNode(wt, [p]),
+            "c": _SNode(c, [a, wt]), "p2": _SNode(p2, []), "wt2": _SNode(wt2, [p2]),
+            "d": _SNode(d, [c, wt2])}
+
+
+def test_golden_a_wait_whose_anchor_moved_late_holds_back_no_later_prefetch():
+    """Inductor runs ``s`` (only saved for the backward) last, after the matmul that reads the
+    wait anchored after ``s``. The wait goes right before that matmul instead of after ``s``:
+    waiting for ``s`` would hold back the rest of the graph and let the next layer's prefetch
+    run first."""
+    s = _layers()
+    reordered = [s[n] for n in ("a", "p", "wt", "c", "p2", "wt2", "d", "s")]
+    assert _names(pin.pin_transfers(reordered)) == ["a", "p", "wt", "c", "p2", "wt2", "d", "s"]
+
+
 def test_compute_order_is_kept_and_the_result_is_topological():
     s = _forward()
     reordered = [s["d"], s["a"], s["b"], s["off"], s["c"]]
@@ -221,17 +252,24 @@ def test_inductor_runs_it_on_storm_graphs_and_gradients_match(monkeypatch):
                 for origin in pin._origins(snode):
                     kernel_of.setdefault(origin, index)
         earliest = pin._earliest(kernel_of)
+        transfers = {id(s): n for s in result if (n := pin._transfer_node(s)) is not None}
+        readers = pin.first_readers(result, transfers, pin.dependencies(result)[0])
         for index, snode in enumerate(result):
-            node = pin._transfer_node(snode)
+            node = transfers.get(id(snode))
             if node is None:
                 continue
-            anchor = earliest(node)
+            anchor, reader = earliest(node), readers[id(snode)]
             producers = [result.index(p) for p in result[:index]
                          if {*p.get_buffer_names(), *p.get_operation_names()}
                          & {d.name for d in snode.unmet_dependencies}]
-            assert index > anchor and all(i < index for i in producers)
+            assert all(i < index < reader for i in producers)
+            if reader < anchor:     # Inductor runs its reader before its anchor
+                between = [s for s in result[index + 1:reader] if id(s) not in transfers]
+                assert between == [], f"{node.name} is not right before its reader"
+                continue
+            assert index > anchor
             between = [s for s in result[max([anchor, *producers]) + 1:index]
-                       if pin._transfer_node(s) is None]
+                       if id(s) not in transfers]
             assert between == [], f"{node.name} is not right after its anchor or overlap"
     reference = _grads(model, x, "inductor")
     for name, grad in reference.items():

@@ -27,7 +27,11 @@ first compute kernel that reads it (directly or through other transfers) when In
 that kernel before the anchor's. A prefetch's wait anchored after a node that Inductor ran
 late (one only saved for the backward) would otherwise hold back its reader and every kernel
 after it, and the prefetches of later layers would run first (Inductor's CPU kernels of the
-built-in gpt have such waits).
+built-in gpt have such waits). Inductor's ``MultiOutput`` that hands out what a transfer's
+fallback kernel returned moves with that transfer and reads nothing: under Inductor's
+breadth-first order, which runs every prefetch and its hand-out first, it is what would
+otherwise pin each prefetch to the top (the tiny streamed Llama's forward then held 23
+prefetched weights unread where its FX graph holds 3).
 """
 
 from __future__ import annotations
@@ -58,12 +62,16 @@ compute kernel (a prefetch's wait stays right before the kernel that reads the c
 
 
 def _transfer_node(snode: Any) -> fx.Node | None:
-    """The FX node of a scheduler node that runs one storm transfer op, else None."""
+    """The FX node of a scheduler node that runs one storm transfer op or only hands out what
+    one returned (Inductor's ``MultiOutput`` after a fallback kernel, whose origins are that
+    op alone), else None."""
     kernel = getattr(snode, "node", None)
-    if getattr(kernel, "op_overload", None) not in TRANSFER_OPS:
+    if kernel is None:
         return None
-    origins = [n for n in kernel.get_origins() if n.target in TRANSFER_OPS]
-    return origins[0] if origins else None
+    origins = list(kernel.get_origins())
+    transfers = [n for n in origins if n.target in TRANSFER_OPS]
+    runs_one = getattr(kernel, "op_overload", None) in TRANSFER_OPS
+    return transfers[0] if transfers and (runs_one or len(transfers) == len(origins)) else None
 
 
 def _origins(snode: Any) -> list[fx.Node]:

@@ -18,7 +18,8 @@ from torch import fx
 import storm_compile.pin_transfers as pin
 from storm_compile import ops, storm
 from storm_compile.graphs import COST_KEY, NodeCost
-from storm_compile.models import GPTShape, build_gpt
+from storm_compile.models import LLAMA_PRESETS, GPTShape, add_lora, build_gpt, build_llama
+from storm_compile.streaming import stream_parameters
 
 aten = torch.ops.aten
 
@@ -164,6 +165,35 @@ def test_golden_a_wait_whose_anchor_moved_late_holds_back_no_later_prefetch():
     assert _names(pin.pin_transfers(reordered)) == ["a", "p", "wt", "c", "p2", "wt2", "d", "s"]
 
 
+class _HandOut(_SNode):
+    """Inductor's ``MultiOutput`` after a fallback kernel: it only hands out what the kernel
+    of ``node`` returned (no op of its own; ``node`` is its origin)."""
+
+    def __init__(self, name: str, node: fx.Node, kernel: _SNode) -> None:
+        super().__init__(node, [node])
+        self.name = name
+        self.node.op_overload = None
+        self.unmet_dependencies = [_Dep(kernel.name)]
+
+
+def test_golden_prefetches_breadth_first_at_the_top_go_back_to_their_anchors():
+    """Inductor's breadth-first order runs every prefetch (it reads only a graph input) and
+    the ``MultiOutput`` handing out its copy first. Each goes back after its anchor: a hand-out
+    is part of its copy, not a reader of it (read as one, every prefetch would stay at the top,
+    the 70B forward's weights all prefetched before its first layer)."""
+    s = _layers()
+    graph = next(iter(s["p"].node.get_origins())).graph
+    fx_nodes = {n.name: n for n in graph.nodes}
+    s["p_out"] = _HandOut("p_out", fx_nodes["p"], s["p"])
+    s["p2_out"] = _HandOut("p2_out", fx_nodes["p2"], s["p2"])
+    s["wt"].unmet_dependencies = [_Dep("p_out")]
+    s["wt2"].unmet_dependencies = [_Dep("p2_out")]
+    breadth_first = [s[n] for n in ("p", "p_out", "p2", "p2_out", "a", "wt", "c", "wt2", "d",
+                                    "s")]
+    assert _names(pin.pin_transfers(breadth_first)) == [
+        "a", "p", "p_out", "wt", "c", "p2", "p2_out", "wt2", "d", "s"]
+
+
 def test_compute_order_is_kept_and_the_result_is_topological():
     s = _forward()
     reordered = [s["d"], s["a"], s["b"], s["off"], s["c"]]
@@ -214,6 +244,12 @@ def test_user_comm_overlap_passes_run_first():
 SHAPE = GPTShape(d_model=64, heads=4, seq=32, batch=2, layers=2, dtype="float32")
 CPU_OPTIONS = {"transfer_cpu_tensors": True, "min_offload_bytes": 0}
 """Inductor's C++ backend compiles storm's graphs; every activation is planned."""
+LORA_RANK = 4
+STREAMED_ABOVE_BYTES = 8192
+"""The tiny Llama's matrices stream, its norm weights stay resident."""
+PREFETCH_WINDOW_BYTES = 4096
+"""Below one streamed matrix: storm prefetches each weight shortly before its layer reads it
+(a few unread at any point of its FX graphs), as a large model's window does."""
 
 
 def _grads(model, x: torch.Tensor, backend) -> dict[str, torch.Tensor]:
@@ -274,3 +310,102 @@ def test_inductor_runs_it_on_storm_graphs_and_gradients_match(monkeypatch):
     reference = _grads(model, x, "inductor")
     for name, grad in reference.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+_GIVEN: list[tuple[list, list]] = []
+
+
+def _spy_both(snodes):
+    """``pin_transfers``, keeping the order Inductor gave it and the order it returns."""
+    result = _PIN(snodes)
+    _GIVEN.append((list(snodes), result))
+    return result
+
+
+def _moves_only(snode) -> bool:
+    """Whether every FX node a scheduler node computes is a storm transfer op (a copy, a wait,
+    or Inductor's hand-out of what one returned)."""
+    origins = [o for inner in snode.get_nodes() if inner.node is not None
+               for o in inner.node.get_origins()]
+    return all(o.target in ops.TRANSFER_OPS for o in origins)
+
+
+def _unread_prefetches(order: list) -> int:
+    """The most prefetches a scheduler-node ``order`` has issued and not yet read (by a
+    kernel other than a transfer or a hand-out of one) at any point."""
+    index = {id(s): i for i, s in enumerate(order)}
+    successors, _ = pin.dependencies(order)
+
+    def first_reader(snode) -> int:
+        first, stack, seen = len(order), list(successors[id(snode)]), set()
+        while stack:
+            user = stack.pop()
+            if id(user) not in seen:
+                seen.add(id(user))
+                if not _moves_only(user):
+                    first = min(first, index[id(user)])
+                else:
+                    stack.extend(successors[id(user)])
+        return first
+
+    return _most_open([(index[id(s)], first_reader(s)) for s in order
+                       if getattr(getattr(s, "node", None), "op_overload", None) is ops.prefetch])
+
+
+def _most_open(spans: list[tuple[int, int]]) -> int:
+    events = sorted([(begin, 1) for begin, _ in spans] + [(end, -1) for _, end in spans])
+    open_, most = 0, 0
+    for _, step in events:
+        open_ += step
+        most = max(most, open_)
+    return most
+
+
+def _unread_in_fx(graph: fx.Graph) -> int:
+    """The same count in storm's FX order."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+
+    def first_reader(node: fx.Node) -> int:
+        readers, stack = [], list(node.users)
+        while stack:
+            user = stack.pop()
+            if user.target in ops.TRANSFER_OPS:
+                stack.extend(user.users)
+            else:
+                readers.append(position[user])
+        return min(readers)
+
+    return _most_open([(position[n], first_reader(n)) for n in graph.nodes
+                       if n.target is ops.prefetch])
+
+
+def test_prefetches_inductor_ran_breadth_first_stay_as_few_as_storm_placed(monkeypatch):
+    """Inductor's breadth-first order (one of the orders its peak-memory pass picks from) runs
+    every prefetch of a streamed model first, as they read only graph inputs. After the pass,
+    no more prefetched weights wait unread at any point than in storm's FX graphs."""
+    import torch._inductor.memory as memory
+
+    keep_order = memory.reorder_for_peak_memory
+
+    def breadth_first(nodes, *args, **kwargs):
+        keep_order(nodes, *args, methods=[])    # the planning facts the sort reads
+        return memory.topological_sort_bfs(nodes)
+
+    monkeypatch.setattr(memory, "reorder_for_peak_memory", breadth_first)
+    monkeypatch.setattr(pin, "pin_transfers", _spy_both)
+    _GIVEN.clear()
+    torch.manual_seed(0)
+    model, batch = build_llama(dataclasses.replace(LLAMA_PRESETS["tiny"], layers=3), "cpu")
+    add_lora(model, LORA_RANK)
+    stream_parameters(model, "cpu", resident_bytes=STREAMED_ABOVE_BYTES, host_format="nf4")
+    backend = storm(prefetch_window_bytes=PREFETCH_WINDOW_BYTES, **CPU_OPTIONS)
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        torch.compile(model, backend=backend)(*batch).backward()
+    assert len(_GIVEN) == 2, "both graphs compiled through the pass"
+    for given, pinned in _GIVEN:
+        fx_graph = next(pin._transfer_node(s) for s in pinned
+                        if pin._transfer_node(s) is not None).graph
+        planned = _unread_in_fx(fx_graph)
+        assert _unread_prefetches(given) > planned, "Inductor ran the prefetches first"
+        assert _unread_prefetches(pinned) <= planned

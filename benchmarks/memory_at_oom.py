@@ -25,8 +25,6 @@ BLOCKS_REPORTED = 20
 LIBRARY_PATH = "/site-packages/torch/"
 """Frames in torch itself are skipped: a block's site is the frames outside it (the model,
 storm, Inductor's generated code, which lives in its cache directory)."""
-
-
 SITE_FRAMES = 2
 """Frames outside torch a site names, innermost first: storm's eager op and the line of the
 compiled graph that called it."""

@@ -468,3 +468,23 @@ def test_memory_at_oom_groups_live_blocks_by_the_line_outside_torch(tmp_path):
     assert sites[0].endswith("buf0 = empty_strided_cuda((8192, 28672), torch.bfloat16) <- "
                              f"{source}:3 run: call()")
     assert sites[1].endswith(f"buf1 = x <- {source}:3 run: call()")
+
+
+def test_oom_report_is_written_at_the_first_failed_allocation_only(tmp_path, monkeypatch):
+    """``--oom-report`` records the allocator's history and attaches an observer that writes
+    the report when an allocation fails; a later failure leaves the first report as it was."""
+    recorded, observers = [], []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda **kwargs: recorded.append(kwargs))
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append,
+                        raising=False)
+    snapshots = iter([{"segments": []}, {"segments": [{"total_size": 1, "blocks": []}]}])
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: next(snapshots))
+    report = tmp_path / streaming.OOM_REPORT
+    memory_at_oom.record_until_oom(report)
+    assert recorded and len(observers) == 1 and not report.exists()
+    observers[0](0, 36 << 20, 0, 0)
+    first = report.read_text()
+    assert first.startswith("failed allocation: 36.0 MiB") and "in 0 segments" in first
+    observers[0](0, 1 << 20, 0, 0)
+    assert report.read_text() == first

@@ -19,8 +19,8 @@ instead of right after the copy, where the compute stream would stall for the wh
 
 Assumes: the scheduler nodes are in a legal order, and each node's ``unmet_dependencies`` name
 every buffer or operation it must follow (Inductor's own reorderings rely on the same).
-Guarantees: the result is a topological order of the same nodes; compute kernels appear in
-their input order; each transfer kernel appears as soon after its anchor's kernel (for a copy
+Guarantees: the result is a topological order of the same nodes; compute kernels (other than
+:func:`weight_work`) appear in their input order; each transfer kernel appears as soon after its anchor's kernel (for a copy
 home's wait, and after the kernels that keep its copy's overlap) as its dependencies allow
 (never before a kernel it reads, never after a kernel that reads it), or right before the
 first compute kernel that reads it (directly or through other transfers) when Inductor put
@@ -32,6 +32,13 @@ fallback kernel returned moves with that transfer and reads nothing: under Induc
 breadth-first order, which runs every prefetch and its hand-out first, it is what would
 otherwise pin each prefetch to the top (the tiny streamed Llama's forward then held 23
 prefetched weights unread where its FX graph holds 3).
+
+Two more kinds of kernel move like transfers (:func:`weight_work`): the copy of a streamed
+weight kept on the device (``storm.resident_weight``), and a kernel that computes only on what
+storm's copies return and on constants (a quantized weight's dequantization). Such a kernel
+reads no activation, so Inductor is free to run it first; left there, it held its weight's
+bf16 copy from the graph's top, and as the FX anchor of the next prefetch it pulled that
+prefetch to the top with it. An anchor is a node that one kernel computes (see :func:`placed`).
 """
 
 from __future__ import annotations
@@ -77,6 +84,39 @@ def _transfer_node(snode: Any) -> fx.Node | None:
 def _origins(snode: Any) -> list[fx.Node]:
     return [origin for inner in snode.get_nodes() if inner.node is not None
             for origin in inner.node.get_origins()]
+
+
+def weight_work(graph: fx.Graph) -> set[fx.Node]:
+    """The FX nodes of ``graph`` that copy a streamed weight kept on the device
+    (``storm.resident_weight``) or compute only on what storm's copies return and on
+    constants (a quantized weight's dequantization, views of a prefetched tensor): they read
+    no graph input and no other compute, so Inductor may run them anywhere before their first
+    reader."""
+    work: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        inputs = node.all_input_nodes
+        if node.target is ops.resident_weight or (
+                node.target not in TRANSFER_OPS and inputs
+                and any(i in work or i.target in TRANSFER_OPS for i in inputs)
+                and all(i in work or i.target in TRANSFER_OPS or i.op == "get_attr"
+                        for i in inputs)):
+            work.add(node)
+    return work
+
+
+def _pinned_node(snode: Any, work: set[fx.Node],
+                 order: dict[fx.Node, int]) -> fx.Node | None:
+    """The FX node by which a scheduler node is placed like a transfer: its transfer op's
+    (:func:`_transfer_node`), or, for a kernel all of whose origins are :func:`weight_work`,
+    its last origin in FX order; None for any other kernel."""
+    transfer = _transfer_node(snode)
+    if transfer is not None:
+        return transfer
+    origins = _origins(snode)
+    return max(origins, key=order.__getitem__) if origins and all(
+        o in work for o in origins) else None
 
 
 def _is_compute(node: fx.Node, kernel_of: dict[fx.Node, int]) -> bool:
@@ -179,16 +219,37 @@ def first_readers(snodes: list[Any], transfers: dict[int, fx.Node],
     return first
 
 
-def pin_transfers(snodes: list[Any]) -> list[Any]:
-    """``snodes`` with every storm transfer kernel back after its anchor (see module doc)."""
-    transfers = {id(s): t for s in snodes if (t := _transfer_node(s)) is not None}
-    if not transfers:
-        return snodes
-    kernel_of: dict[fx.Node, int] = {}
+def placed(snodes: list[Any]) -> tuple[dict[int, fx.Node], dict[fx.Node, int]] | None:
+    """The scheduler nodes :func:`pin_transfers` places like transfers (by ``id``, with the FX
+    node that places each: :func:`_pinned_node`), and the index of the kernel that computes
+    each FX node the others compute in one kernel; None when ``snodes`` runs no storm
+    transfer. A node computed in several kernels marks no one point of the order and anchors
+    nothing: Inductor inlines a pointwise node into each kernel that reads it (a cast of the
+    embedding's output, into the first norm and the layer's last residual addition), and
+    copies an input of a fallback kernel in a kernel of its own, with the fallback's node as
+    its origin, which it may run long before the fallback."""
+    graph = next((t.graph for s in snodes if (t := _transfer_node(s)) is not None), None)
+    if graph is None:
+        return None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    work = weight_work(graph)
+    pinned = {id(s): t for s in snodes if (t := _pinned_node(s, work, order)) is not None}
+    kernels: dict[fx.Node, set[int]] = {}
     for index, snode in enumerate(snodes):
-        if id(snode) not in transfers:
+        if id(snode) not in pinned:
             for origin in _origins(snode):
-                kernel_of.setdefault(origin, index)
+                kernels.setdefault(origin, set()).add(index)
+    return pinned, {origin: min(found) for origin, found in kernels.items() if len(found) == 1}
+
+
+def pin_transfers(snodes: list[Any]) -> list[Any]:
+    """``snodes`` with every storm transfer kernel, and every kernel :func:`placed` moves with
+    them, back after its anchor (see module doc)."""
+    found = placed(snodes)
+    if found is None:
+        return snodes
+    transfers, kernel_of = found
+    order = {n: i for i, n in enumerate(next(iter(transfers.values())).graph.nodes)}
     successors, waiting = dependencies(snodes)
     order = {n: i for i, n in enumerate(next(iter(transfers.values())).graph.nodes)}
     after, readers = _earliest(kernel_of), first_readers(snodes, transfers, successors)

@@ -194,6 +194,52 @@ def test_golden_prefetches_breadth_first_at_the_top_go_back_to_their_anchors():
         "a", "p", "p_out", "wt", "c", "p2", "p2_out", "wt2", "d", "s"]
 
 
+def test_golden_a_resident_weights_copy_and_dequantization_go_back_to_their_anchor():
+    """Inductor runs a resident weight's copy and what computes only on it (here ``q``, as a
+    quantized weight's dequantization) first, as they read no activation: they and the next
+    prefetch, whose FX anchor they would otherwise be, go back after ``a``, where storm put
+    them (the 70B forward otherwise prefetched every layer's weights before its first
+    matmul)."""
+    graph = fx.Graph()
+    x, w, w2 = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("w2")
+    a = graph.call_function(aten.relu.default, (x,), name="a")
+    r = graph.call_function(ops.resident_weight, (w, "cuda"), name="r")
+    q = graph.call_function(aten.mul.Tensor, (r, r), name="q")
+    p2 = graph.call_function(ops.prefetch, (w2, "cuda"), name="p2")
+    c = graph.call_function(aten.mm.default, (a, q), name="c")
+    wt2 = graph.call_function(ops.wait_event, (p2,), name="wt2")
+    d = graph.call_function(aten.mm.default, (c, wt2), name="d")
+    graph.output((d,))
+    s = {"a": _SNode(a, []), "r": _SNode(r, []), "q": _SNode(q, [r]), "p2": _SNode(p2, []),
+         "c": _SNode(c, [a, q]), "wt2": _SNode(wt2, [p2]), "d": _SNode(d, [c, wt2])}
+    assert pin.weight_work(graph) == {r, q}
+    inductor = [s[n] for n in ("r", "p2", "q", "wt2", "a", "c", "d")]
+    assert _names(pin.pin_transfers(inductor)) == ["a", "r", "q", "p2", "c", "wt2", "d"]
+
+
+def test_golden_a_node_two_kernels_compute_anchors_nothing():
+    """Inductor copies an input of ``a`` in a kernel of its own (``a_in``, whose origin is
+    ``a`` too) and runs it first. ``a`` marks no one point of the order: the prefetch and its
+    wait storm put after ``a`` go after ``s``, the last node before them that one kernel
+    computes, wherever Inductor put them."""
+    graph = fx.Graph()
+    x, y, w = graph.placeholder("x"), graph.placeholder("y"), graph.placeholder("w")
+    s_ = graph.call_function(aten.sin.default, (y,), name="s")
+    a = graph.call_function(aten.relu.default, (x,), name="a")
+    p = graph.call_function(ops.prefetch, (w, "cuda"), name="p")
+    wt = graph.call_function(ops.wait_event, (p,), name="wt")
+    b = graph.call_function(aten.mm.default, (a, wt), name="b")
+    graph.output((b, s_))
+    a_in = _SNode(a, [])
+    a_in.name = "a_in"
+    s = {"a_in": a_in, "s": _SNode(s_, []), "a": _SNode(a, []), "p": _SNode(p, []),
+         "wt": _SNode(wt, [p]), "b": _SNode(b, [a, wt])}
+    s["a"].unmet_dependencies = [_Dep("a_in")]
+    for inductor in (("a_in", "s", "a", "p", "wt", "b"), ("a_in", "p", "wt", "s", "a", "b")):
+        assert _names(pin.pin_transfers([s[n] for n in inductor])) == [
+            "a_in", "s", "p", "wt", "a", "b"]
+
+
 def test_compute_order_is_kept_and_the_result_is_topological():
     s = _forward()
     reordered = [s["d"], s["a"], s["b"], s["off"], s["c"]]
@@ -282,13 +328,8 @@ def test_inductor_runs_it_on_storm_graphs_and_gradients_match(monkeypatch):
         grads = _grads(model, x, storm(memory_budget=0.5, **CPU_OPTIONS))
     assert seen, "Inductor did not run the pass"
     for result in seen:
-        kernel_of = {}
-        for index, snode in enumerate(result):
-            if pin._transfer_node(snode) is None:
-                for origin in pin._origins(snode):
-                    kernel_of.setdefault(origin, index)
+        transfers, kernel_of = pin.placed(result)
         earliest = pin._earliest(kernel_of)
-        transfers = {id(s): n for s in result if (n := pin._transfer_node(s)) is not None}
         readers = pin.first_readers(result, transfers, pin.dependencies(result)[0])
         for index, snode in enumerate(result):
             node = transfers.get(id(snode))
@@ -299,7 +340,7 @@ def test_inductor_runs_it_on_storm_graphs_and_gradients_match(monkeypatch):
                          if {*p.get_buffer_names(), *p.get_operation_names()}
                          & {d.name for d in snode.unmet_dependencies}]
             assert all(i < index < reader for i in producers)
-            if reader < anchor:     # Inductor runs its reader before its anchor
+            if reader <= anchor:    # Inductor runs its reader before (or with) its anchor
                 between = [s for s in result[index + 1:reader] if id(s) not in transfers]
                 assert between == [], f"{node.name} is not right before its reader"
                 continue

@@ -38,7 +38,8 @@ weight kept on the device (``storm.resident_weight``), and a kernel that compute
 storm's copies return and on constants (a quantized weight's dequantization). Such a kernel
 reads no activation, so Inductor is free to run it first; left there, it held its weight's
 bf16 copy from the graph's top, and as the FX anchor of the next prefetch it pulled that
-prefetch to the top with it. An anchor is a node that one kernel computes (see :func:`placed`).
+prefetch to the top with it. An anchor is a node that one kernel computes, in a kernel that
+reads more than constants (see :func:`placed`).
 """
 
 from __future__ import annotations
@@ -86,24 +87,28 @@ def _origins(snode: Any) -> list[fx.Node]:
             for origin in inner.node.get_origins()]
 
 
-def weight_work(graph: fx.Graph) -> set[fx.Node]:
-    """The FX nodes of ``graph`` that copy a streamed weight kept on the device
-    (``storm.resident_weight``) or compute only on what storm's copies return and on
-    constants (a quantized weight's dequantization, views of a prefetched tensor): they read
-    no graph input and no other compute, so Inductor may run them anywhere before their first
-    reader."""
+def weight_work(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
+    """Two sets of FX nodes of ``graph`` that read no graph input, so that Inductor may run
+    them anywhere before their first reader: the *work* on storm's copies (the copy of a
+    streamed weight kept on the device, ``storm.resident_weight``, and what computes only on
+    what storm's copies return and on constants: a quantized weight's dequantization, views
+    of a prefetched tensor), and the *free* nodes, which compute from nothing but constants (a
+    rotary embedding's table from ``iota``, the copy of a code book that ``lift_fresh_copy``
+    makes)."""
     work: set[fx.Node] = set()
+    free: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target in TRANSFER_OPS:
             continue
         inputs = node.all_input_nodes
-        if node.target is ops.resident_weight or (
-                node.target not in TRANSFER_OPS and inputs
-                and any(i in work or i.target in TRANSFER_OPS for i in inputs)
-                and all(i in work or i.target in TRANSFER_OPS or i.op == "get_attr"
-                        for i in inputs)):
+        if node.target is ops.resident_weight:
             work.add(node)
-    return work
+        elif all(i in free or i.op == "get_attr" for i in inputs):
+            free.add(node)
+        elif all(i in work or i in free or i.op == "get_attr" or i.target in TRANSFER_OPS
+                 for i in inputs):
+            work.add(node)
+    return work, free
 
 
 def _pinned_node(snode: Any, work: set[fx.Node],
@@ -223,8 +228,9 @@ def placed(snodes: list[Any]) -> tuple[dict[int, fx.Node], dict[fx.Node, int]] |
     """The scheduler nodes :func:`pin_transfers` places like transfers (by ``id``, with the FX
     node that places each: :func:`_pinned_node`), and the index of the kernel that computes
     each FX node the others compute in one kernel; None when ``snodes`` runs no storm
-    transfer. A node computed in several kernels marks no one point of the order and anchors
-    nothing: Inductor inlines a pointwise node into each kernel that reads it (a cast of the
+    transfer. A kernel that computes only :func:`weight_work`'s free nodes floats (Inductor
+    ran a rotary embedding's tables of every layer first) and anchors nothing; nor does a node
+    computed in several kernels, which marks no one point of the order: Inductor inlines a pointwise node into each kernel that reads it (a cast of the
     embedding's output, into the first norm and the layer's last residual addition), and
     copies an input of a fallback kernel in a kernel of its own, with the fallback's node as
     its origin, which it may run long before the fallback."""
@@ -232,12 +238,13 @@ def placed(snodes: list[Any]) -> tuple[dict[int, fx.Node], dict[fx.Node, int]] |
     if graph is None:
         return None
     order = {n: i for i, n in enumerate(graph.nodes)}
-    work = weight_work(graph)
+    work, free = weight_work(graph)
     pinned = {id(s): t for s in snodes if (t := _pinned_node(s, work, order)) is not None}
     kernels: dict[fx.Node, set[int]] = {}
     for index, snode in enumerate(snodes):
-        if id(snode) not in pinned:
-            for origin in _origins(snode):
+        origins = _origins(snode)
+        if id(snode) not in pinned and not all(o in free for o in origins):
+            for origin in origins:
                 kernels.setdefault(origin, set()).add(index)
     return pinned, {origin: min(found) for origin, found in kernels.items() if len(found) == 1}
 

@@ -195,26 +195,54 @@ def test_golden_prefetches_breadth_first_at_the_top_go_back_to_their_anchors():
 
 
 def test_golden_a_resident_weights_copy_and_dequantization_go_back_to_their_anchor():
-    """Inductor runs a resident weight's copy and what computes only on it (here ``q``, as a
-    quantized weight's dequantization) first, as they read no activation: they and the next
+    """Inductor runs a resident weight's copy and what computes only on it and on constants
+    (here ``q``, as a quantized weight's dequantization, with ``book`` its code book's copy)
+    first, as they read no activation: they and the next
     prefetch, whose FX anchor they would otherwise be, go back after ``a``, where storm put
     them (the 70B forward otherwise prefetched every layer's weights before its first
     matmul)."""
     graph = fx.Graph()
     x, w, w2 = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("w2")
     a = graph.call_function(aten.relu.default, (x,), name="a")
+    book = graph.call_function(aten.lift_fresh_copy.default, (graph.get_attr("code"),),
+                               name="book")
     r = graph.call_function(ops.resident_weight, (w, "cuda"), name="r")
-    q = graph.call_function(aten.mul.Tensor, (r, r), name="q")
+    q = graph.call_function(aten.mul.Tensor, (r, book), name="q")
     p2 = graph.call_function(ops.prefetch, (w2, "cuda"), name="p2")
     c = graph.call_function(aten.mm.default, (a, q), name="c")
     wt2 = graph.call_function(ops.wait_event, (p2,), name="wt2")
     d = graph.call_function(aten.mm.default, (c, wt2), name="d")
     graph.output((d,))
-    s = {"a": _SNode(a, []), "r": _SNode(r, []), "q": _SNode(q, [r]), "p2": _SNode(p2, []),
-         "c": _SNode(c, [a, q]), "wt2": _SNode(wt2, [p2]), "d": _SNode(d, [c, wt2])}
-    assert pin.weight_work(graph) == {r, q}
-    inductor = [s[n] for n in ("r", "p2", "q", "wt2", "a", "c", "d")]
-    assert _names(pin.pin_transfers(inductor)) == ["a", "r", "q", "p2", "c", "wt2", "d"]
+    s = {"a": _SNode(a, []), "book": _SNode(book, []), "r": _SNode(r, []),
+         "q": _SNode(q, [r, book]), "p2": _SNode(p2, []), "c": _SNode(c, [a, q]),
+         "wt2": _SNode(wt2, [p2]), "d": _SNode(d, [c, wt2])}
+    assert pin.weight_work(graph) == ({r, q}, {book})
+    inductor = [s[n] for n in ("book", "r", "p2", "q", "wt2", "a", "c", "d")]
+    assert _names(pin.pin_transfers(inductor)) == ["book", "a", "r", "q", "p2", "c", "wt2",
+                                                    "d"]
+
+
+def test_golden_a_kernel_computing_from_constants_alone_anchors_nothing():
+    """Inductor runs ``t`` (a rotary table from ``arange``: no input at all) first. The prefetch
+    storm put after it goes after ``a``, the last node before it that Inductor could not
+    move up (each layer's prefetch otherwise followed its layer's table to the top)."""
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    a = graph.call_function(aten.relu.default, (x,), name="a")
+    i = graph.call_function(aten.arange.default, (8,), name="i")
+    t = graph.call_function(aten.cos.default, (i,), name="t")
+    p = graph.call_function(ops.prefetch, (w, "cuda"), name="p")
+    wt = graph.call_function(ops.wait_event, (p,), name="wt")
+    b = graph.call_function(aten.mm.default, (a, wt), name="b")
+    u = graph.call_function(aten.mul.Tensor, (b, t), name="u")
+    graph.output((u,))
+    t_kernel = _SNode(t, [])
+    t_kernel.node.origins = {i, t}
+    s = {"t": t_kernel, "a": _SNode(a, []), "p": _SNode(p, []), "wt": _SNode(wt, [p]),
+         "b": _SNode(b, [a, wt]), "u": _SNode(u, [b, t])}
+    assert pin.weight_work(graph) == (set(), {i, t})
+    inductor = [s[n] for n in ("t", "p", "wt", "a", "b", "u")]
+    assert _names(pin.pin_transfers(inductor)) == ["t", "a", "p", "wt", "b", "u"]
 
 
 def test_golden_a_node_two_kernels_compute_anchors_nothing():

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,8 @@ from storm_compile import ops
 from storm_compile.graphs import COST_KEY
 from storm_compile.ops import TRANSFER_OPS
 from storm_compile.vocabulary import is_view
+
+log = logging.getLogger("storm_compile")
 
 _START = -1
 """Anchor index of a transfer with no compute node before it: it goes first."""
@@ -128,14 +131,20 @@ def _is_compute(node: fx.Node, kernel_of: dict[fx.Node, int]) -> bool:
     return node.target not in TRANSFER_OPS and not is_view(node) and node in kernel_of
 
 
-def _anchor(node: fx.Node, kernel_of: dict[fx.Node, int]) -> int:
-    """Index of the kernel of the last compute node before ``node`` in its FX graph."""
+def _anchor_node(node: fx.Node, kernel_of: dict[fx.Node, int]) -> fx.Node | None:
+    """The last compute node before ``node`` in its FX graph (None if there is none)."""
     previous = node.prev
     while previous.op != "root":
         if _is_compute(previous, kernel_of):
-            return kernel_of[previous]
+            return previous
         previous = previous.prev
-    return _START
+    return None
+
+
+def _anchor(node: fx.Node, kernel_of: dict[fx.Node, int]) -> int:
+    """Index of the kernel of the last compute node before ``node`` in its FX graph."""
+    anchor = _anchor_node(node, kernel_of)
+    return _START if anchor is None else kernel_of[anchor]
 
 
 def _copy_of(wait: fx.Node) -> fx.Node | None:
@@ -277,7 +286,27 @@ def pin_transfers(snodes: list[Any]) -> list[Any]:
     if len(result) != len(snodes):
         raise RuntimeError(f"storm: pinning transfers found a dependency cycle among "
                            f"{len(snodes) - len(result)} scheduler nodes")
+    if log.isEnabledFor(logging.DEBUG):
+        _log_placements(snodes, result, transfers, kernel_of, after, readers)
     return result
+
+
+def _log_placements(given: list[Any], result: list[Any], transfers: dict[int, fx.Node],
+                    kernel_of: dict[fx.Node, int], after: Callable[[fx.Node], int],
+                    readers: dict[int, int]) -> None:
+    """One debug line per placed kernel: its FX node, its anchor and that anchor's kernel, its
+    first reader, and where it is and was (the anchor's, the reader's and where it was index
+    Inductor's order; where it is, the result)."""
+    now = {id(s): i for i, s in enumerate(result)}
+    for was, snode in enumerate(given):
+        if id(snode) in transfers:
+            node = transfers[id(snode)]
+            anchor = _anchor_node(node, kernel_of)
+            log.debug("pin_transfers: %s after %s (kernel %d, %d with its overlap), first "
+                      "reader kernel %d: kernel %d of %d, was %d", node.name,
+                      anchor.name if anchor is not None else "the start",
+                      _START if anchor is None else kernel_of[anchor], after(node),
+                      readers[id(snode)], now[id(snode)], len(result), was)
 
 
 def inductor_patches() -> dict[str, Any]:

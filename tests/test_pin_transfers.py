@@ -8,6 +8,7 @@ left every transfer kernel, and that gradients equal torch.compile's.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -220,6 +221,18 @@ def test_golden_a_resident_weights_copy_and_dequantization_go_back_to_their_anch
     inductor = [s[n] for n in ("book", "r", "p2", "q", "wt2", "a", "c", "d")]
     assert _names(pin.pin_transfers(inductor)) == ["book", "a", "r", "q", "p2", "c", "wt2",
                                                     "d"]
+
+
+def test_each_placement_is_a_debug_line(caplog):
+    s = _layers()
+    breadth_first = [s[n] for n in ("p", "p2", "a", "wt", "c", "wt2", "d", "s")]
+    with caplog.at_level(logging.DEBUG, logger="storm_compile"):
+        result = pin.pin_transfers(breadth_first)
+    assert _names(result) == ["a", "p", "wt", "c", "p2", "wt2", "d", "s"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pin_transfers")]
+    assert len(lines) == 4
+    assert "pin_transfers: p2 after c (kernel 4, 4 with its overlap), first reader kernel 6: " \
+           "kernel 4 of 8, was 1" in lines
 
 
 def test_golden_a_kernel_computing_from_constants_alone_anchors_nothing():

@@ -20,8 +20,9 @@ instead of right after the copy, where the compute stream would stall for the wh
 Assumes: the scheduler nodes are in a legal order, and each node's ``unmet_dependencies`` name
 every buffer or operation it must follow (Inductor's own reorderings rely on the same).
 Guarantees: the result is a topological order of the same nodes; compute kernels (other than
-:func:`weight_work`) appear in their input order; each transfer kernel appears as soon after its anchor's kernel (for a copy
-home's wait, and after the kernels that keep its copy's overlap) as its dependencies allow
+:func:`weight_work`'s) appear in their input order; each transfer kernel appears as soon after
+its anchor's kernel (for a copy home's wait, and after the kernels that keep its copy's
+overlap) as its dependencies allow
 (never before a kernel it reads, never after a kernel that reads it), or right before the
 first compute kernel that reads it (directly or through other transfers) when Inductor put
 that kernel before the anchor's. A prefetch's wait anchored after a node that Inductor ran
@@ -48,7 +49,7 @@ import bisect
 import heapq
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import fx
 
@@ -233,16 +234,26 @@ def first_readers(snodes: list[Any], transfers: dict[int, fx.Node],
     return first
 
 
-def placed(snodes: list[Any]) -> tuple[dict[int, fx.Node], dict[fx.Node, int]] | None:
+class Placed(NamedTuple):
+    """What :func:`placed` finds in one order of scheduler nodes."""
+
+    pinned: dict[int, fx.Node]
+    kernel_of: dict[fx.Node, int]
+    order: dict[fx.Node, int]
+
+
+def placed(snodes: list[Any]) -> Placed | None:
     """The scheduler nodes :func:`pin_transfers` places like transfers (by ``id``, with the FX
-    node that places each: :func:`_pinned_node`), and the index of the kernel that computes
-    each FX node the others compute in one kernel; None when ``snodes`` runs no storm
+    node that places each: :func:`_pinned_node`), the index of the kernel that computes each
+    FX node the others compute in one kernel, and each FX node's position in its graph; None
+    when ``snodes`` runs no storm
     transfer. A kernel that computes only :func:`weight_work`'s free nodes floats (Inductor
-    ran a rotary embedding's tables of every layer first) and anchors nothing; nor does a node
-    computed in several kernels, which marks no one point of the order: Inductor inlines a pointwise node into each kernel that reads it (a cast of the
-    embedding's output, into the first norm and the layer's last residual addition), and
-    copies an input of a fallback kernel in a kernel of its own, with the fallback's node as
-    its origin, which it may run long before the fallback."""
+    may run a rotary embedding's tables of every layer first) and anchors nothing; nor does a
+    node computed in several kernels, which marks no one point of the order: Inductor inlines
+    a pointwise node into each kernel that reads it (a cast of the embedding's output, into
+    the first norm and the layer's last residual addition), and copies an input of a fallback
+    kernel in a kernel of its own, with the fallback's node as its origin, which it may run
+    long before the fallback."""
     graph = next((t.graph for s in snodes if (t := _transfer_node(s)) is not None), None)
     if graph is None:
         return None
@@ -255,7 +266,8 @@ def placed(snodes: list[Any]) -> tuple[dict[int, fx.Node], dict[fx.Node, int]] |
         if id(snode) not in pinned and not all(o in free for o in origins):
             for origin in origins:
                 kernels.setdefault(origin, set()).add(index)
-    return pinned, {origin: min(found) for origin, found in kernels.items() if len(found) == 1}
+    return Placed(pinned, {origin: min(found) for origin, found in kernels.items()
+                           if len(found) == 1}, order)
 
 
 def pin_transfers(snodes: list[Any]) -> list[Any]:
@@ -264,10 +276,8 @@ def pin_transfers(snodes: list[Any]) -> list[Any]:
     found = placed(snodes)
     if found is None:
         return snodes
-    transfers, kernel_of = found
-    order = {n: i for i, n in enumerate(next(iter(transfers.values())).graph.nodes)}
+    transfers, kernel_of, order = found
     successors, waiting = dependencies(snodes)
-    order = {n: i for i, n in enumerate(next(iter(transfers.values())).graph.nodes)}
     after, readers = _earliest(kernel_of), first_readers(snodes, transfers, successors)
     key = {id(s): (min((after(transfers[id(s)]), 1), (readers[id(s)], -1))
                    + (order[transfers[id(s)]],) if id(s) in transfers else (index, 0, 0))

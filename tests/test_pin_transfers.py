@@ -369,7 +369,7 @@ def test_inductor_runs_it_on_storm_graphs_and_gradients_match(monkeypatch):
         grads = _grads(model, x, storm(memory_budget=0.5, **CPU_OPTIONS))
     assert seen, "Inductor did not run the pass"
     for result in seen:
-        transfers, kernel_of = pin.placed(result)
+        transfers, kernel_of, _ = pin.placed(result)
         earliest = pin._earliest(kernel_of)
         readers = pin.first_readers(result, transfers, pin.dependencies(result)[0])
         for index, snode in enumerate(result):

@@ -115,17 +115,19 @@ def weight_work(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
     return work, free
 
 
-def _pinned_node(snode: Any, work: set[fx.Node],
+def _pinned_node(snode: Any, work: set[fx.Node], free: set[fx.Node],
                  order: dict[fx.Node, int]) -> fx.Node | None:
     """The FX node by which a scheduler node is placed like a transfer: its transfer op's
-    (:func:`_transfer_node`), or, for a kernel all of whose origins are :func:`weight_work`,
-    its last origin in FX order; None for any other kernel."""
+    (:func:`_transfer_node`), or, for a kernel that computes :func:`weight_work`'s work and
+    nothing but work and free nodes (on the GPU Inductor inlines the code book's copy into
+    the dequantization), its last work origin in FX order; None for any other kernel."""
     transfer = _transfer_node(snode)
     if transfer is not None:
         return transfer
     origins = _origins(snode)
-    return max(origins, key=order.__getitem__) if origins and all(
-        o in work for o in origins) else None
+    moved = [o for o in origins if o in work]
+    return max(moved, key=order.__getitem__) if moved and all(
+        o in work or o in free for o in origins) else None
 
 
 def _is_compute(node: fx.Node, kernel_of: dict[fx.Node, int]) -> bool:
@@ -259,7 +261,8 @@ def placed(snodes: list[Any]) -> Placed | None:
         return None
     order = {n: i for i, n in enumerate(graph.nodes)}
     work, free = weight_work(graph)
-    pinned = {id(s): t for s in snodes if (t := _pinned_node(s, work, order)) is not None}
+    pinned = {id(s): t for s in snodes
+              if (t := _pinned_node(s, work, free, order)) is not None}
     kernels: dict[fx.Node, set[int]] = {}
     for index, snode in enumerate(snodes):
         origins = _origins(snode)

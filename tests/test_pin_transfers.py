@@ -223,6 +223,30 @@ def test_golden_a_resident_weights_copy_and_dequantization_go_back_to_their_anch
                                                     "d"]
 
 
+def test_golden_a_dequantization_that_inlines_its_code_book_goes_back_to_its_anchor():
+    """On the GPU Inductor inlines the code book's copy (``book``) into the dequantization's
+    kernel (``q``, with both as origins) and runs it first: that kernel moves with the
+    weight's copy all the same (as a compute kernel it held the 70B forward's prefetches of
+    every layer at its top)."""
+    graph = fx.Graph()
+    x, w, w2 = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("w2")
+    a = graph.call_function(aten.relu.default, (x,), name="a")
+    book = graph.call_function(aten.lift_fresh_copy.default, (graph.get_attr("code"),),
+                               name="book")
+    r = graph.call_function(ops.resident_weight, (w, "cuda"), name="r")
+    q = graph.call_function(aten.mul.Tensor, (r, book), name="q")
+    p2 = graph.call_function(ops.prefetch, (w2, "cuda"), name="p2")
+    c = graph.call_function(aten.mm.default, (a, q), name="c")
+    wt2 = graph.call_function(ops.wait_event, (p2,), name="wt2")
+    d = graph.call_function(aten.mm.default, (c, wt2), name="d")
+    graph.output((d,))
+    s = {"a": _SNode(a, []), "r": _SNode(r, []), "q": _SNode(q, [r]), "p2": _SNode(p2, []),
+         "c": _SNode(c, [a, q]), "wt2": _SNode(wt2, [p2]), "d": _SNode(d, [c, wt2])}
+    s["q"].node.origins = {book, q}
+    inductor = [s[n] for n in ("r", "q", "p2", "wt2", "a", "c", "d")]
+    assert _names(pin.pin_transfers(inductor)) == ["a", "r", "q", "p2", "c", "wt2", "d"]
+
+
 def test_each_placement_is_a_debug_line(caplog):
     s = _layers()
     breadth_first = [s[n] for n in ("p", "p2", "a", "wt", "c", "wt2", "d", "s")]

@@ -18,6 +18,10 @@ then drops, dearest first, the storages it can do without (so memory lands near 
 with ``"auto"`` the longest prefix whose cost stays within ``max_overhead`` of the predicted
 step; with ``offload="all"`` every storage; with no budget, only offloads whose copies hide,
 largest first, while their host time stays within ``NO_BUDGET_SHARE`` of ``max_overhead``.
+Whatever the goal, the offloads taken hold at most the host's room in pinned memory
+(``host_memory_limit`` less the step's other graphs' offloads, in the pool's buckets): past
+it, an offload is recomputed instead when it can be (``Figures.host_full``), else refused
+(kept, ``Held.HOST_MEMORY``).
 
 Why this is near-optimal: meeting a byte target at least cost is a covering knapsack; taking
 items by cost per byte solves its fractional relaxation exactly, so the plan costs at most the
@@ -34,7 +38,9 @@ Guarantees: ``graphs.plan`` is set (the no-storm baseline prediction, target, mi
 recomputed); every movable storage's decision in ``graphs.storages`` is ``keep``, ``offload``
 or ``recompute``, with the :class:`~storm_compile.plan.Figures` that decided it, and for a
 kept one why it was held (``Held``, or the ``Unplaced`` reason its copies cannot hide).
-Predicted activation memory is at most the target when one is given. Byte and fraction budgets
+Predicted activation memory is at most the target when one is given; when the host's room
+cannot take what must leave the device, ``StormBudgetError`` names ``host_memory_limit``.
+The offloads' pinned bytes are recorded in the step's ledger. Byte and fraction budgets
 are the step's, shared with the step's other graphs through ``ctx.step``
 (:mod:`storm_compile.step_budget`), which raises ``StormBudgetError`` (a ``ValueError``) only
 when a byte budget is below the step's minimum; every plan is recorded there. In a graph that
@@ -70,6 +76,7 @@ from storm_compile.plan import (
     Unplaced,
 )
 from storm_compile.prediction import Prediction
+from storm_compile.runtime import bucket_bytes
 from storm_compile.simulate import simulate
 from storm_compile.step_budget import GraphShare, StormBudgetError
 from storm_compile.streaming import device_weights
@@ -247,17 +254,56 @@ def _offloaded(item: _Item) -> _Item:
         item.figures, recompute_s=None, no_recompute=CHAINED))
 
 
-def _unchained(items: list[_Item]) -> tuple[list[_Item], list[_Item]]:
-    """``items`` split into those taken in order and those whose recomputation would clash with
-    an earlier one's (offloaded instead, ranked again), for a selection to take last."""
-    rebuilds, first, later = _Rebuilds(), [], []
+def _host_bytes(item: _Item) -> int:
+    """Pinned host memory ``item``'s offload holds: its pool bucket."""
+    return bucket_bytes(item.nbytes)
+
+
+def _host_full(item: _Item) -> _Item:
+    """``item`` with its offload ruled out: the host has no room left for it."""
+    return dataclasses.replace(item, figures=dataclasses.replace(item.figures, host_full=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ways:
+    """What a selection may take, in order: ``first``, then ``later``; and what it may not."""
+
+    first: list[_Item]
+    later: list[_Item]
+    """Those whose recomputation would clash with an earlier one's, offloaded instead, ranked
+    again."""
+    refused: list[_Item]
+    """Offloads past the host's room that cannot be recomputed instead."""
+
+
+def _unchained(items: list[_Item], room: int) -> _Ways:
+    """``items`` split into :class:`_Ways`, their offloads holding at most ``room`` bytes of
+    pinned host memory together: an offload past it is recomputed instead when it can be (and
+    its recomputation clashes with none taken), else refused."""
+    rebuilds, first, later, refused, held = _Rebuilds(), [], [], [], 0
     for item in items:
+        if item.action is Action.OFFLOAD and held + _host_bytes(item) > room:
+            if item.figures.recompute_s is None:
+                refused.append(item)
+                continue
+            item = _host_full(item)
         if rebuilds.clashes(item):
-            later.append(_offloaded(item))
+            if item.figures.host_full:
+                refused.append(item)
+            else:
+                later.append(_offloaded(item))
+            continue
+        rebuilds.take(item)
+        first.append(item)
+        held += _host_bytes(item) if item.action is Action.OFFLOAD else 0
+    fitting = []
+    for item in sorted(later, key=_rank):
+        if held + _host_bytes(item) > room:
+            refused.append(item)
         else:
-            rebuilds.take(item)
-            first.append(item)
-    return first, sorted(later, key=_rank)
+            fitting.append(item)
+            held += _host_bytes(item)
+    return _Ways(first, fitting, refused)
 
 
 UNPLANNED_DEVICE = (
@@ -323,26 +369,27 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
                                                      baseline.activation_bytes, minimum))
 
 
-def _within(items: list[_Item], allowance: float) -> list[_Item]:
-    """The longest prefix of ``items`` (:func:`_unchained`) whose summed cost stays within
-    ``allowance``."""
-    first, later = _unchained(items)
+def _within(items: list[_Item], allowance: float, room: int
+            ) -> tuple[list[_Item], list[_Item]]:
+    """The longest prefix of ``items`` (:func:`_unchained` with ``room``) whose summed cost
+    stays within ``allowance``, and the items refused for the host's room."""
+    ways = _unchained(items, room)
     taken, spent = [], 0.0
-    for item in (*first, *later):
+    for item in (*ways.first, *ways.later):
         if spent + item.cost_s > allowance:
             break
         taken.append(item)
         spent += item.cost_s
-    return taken
+    return taken, ways.refused
 
 
-def _covering(items: list[_Item], need: int) -> list[_Item]:
-    """The shortest prefix of ``items`` (:func:`_unchained`) whose bytes reach ``need``, less
-    the items, dearest per byte first, that it still reaches ``need`` without (so memory lands
-    close to the budget)."""
-    first, later = _unchained(items)
+def _covering(items: list[_Item], need: int, room: int) -> tuple[list[_Item], list[_Item]]:
+    """The shortest prefix of ``items`` (:func:`_unchained` with ``room``) whose bytes reach
+    ``need``, less the items, dearest per byte first, that it still reaches ``need`` without
+    (so memory lands close to the budget); and the items refused for the host's room."""
+    ways = _unchained(items, room)
     taken, covered = [], 0
-    for item in (*first, *later):
+    for item in (*ways.first, *ways.later):
         if covered >= need:
             break
         taken.append(item)
@@ -351,7 +398,7 @@ def _covering(items: list[_Item], need: int) -> list[_Item]:
         if covered - item.nbytes >= need:
             taken.remove(item)
             covered -= item.nbytes
-    return taken
+    return taken, ways.refused
 
 
 MAX_PLAN_ROUNDS = 4
@@ -360,16 +407,25 @@ the others may hide, which makes offloading them cheaper; the plan is chosen aga
 until the set of hiding storages stops changing (two or three rounds on transformers)."""
 
 
-def _select(ranked: list[_Item], target: _Target, need: int,
-            allowance: float) -> list[_Item]:
+def _select(ranked: list[_Item], target: _Target, need: int, allowance: float,
+            room: int) -> tuple[list[_Item], list[_Item]]:
+    """The items taken, and those refused for the host's ``room``."""
     if target.goal is Goal.HIDDEN:
         hidden = sorted((i for i in ranked if i.figures.hides), key=lambda i: -i.nbytes)
         return _within([dataclasses.replace(i, figures=dataclasses.replace(
             i.figures, recompute_s=None, no_recompute="no budget set")) for i in hidden],
-            NO_BUDGET_SHARE * allowance)
+            NO_BUDGET_SHARE * allowance, room)
     if target.goal is Goal.AUTO:
-        return _within(ranked, allowance)
-    return _covering(ranked, need)
+        return _within(ranked, allowance, room)
+    return _covering(ranked, need, room)
+
+
+def _host_full_error(need: int, covered: int, room: int, ctx: PassContext) -> str:
+    return (f"memory_budget: {need} bytes of activations must leave the device, but only "
+            f"{covered} can: pinned host memory has room for {max(room, 0)} bytes of this "
+            f"graph's offloads (host_memory_limit {ctx.config.host_memory_limit} bytes, less "
+            f"what the step's other graphs offload), and the rest cannot be recomputed. Raise "
+            f"host_memory_limit, allow recompute, or use fewer tokens per micro-batch")
 
 
 def _better(taken: list[_Item], best: list[_Item] | None, target: _Target) -> bool:
@@ -397,14 +453,15 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     allowance = (ctx.step.allowance_s(ctx.graph, baseline.step_s, ctx.config.max_overhead)
                  if target.goal is Goal.AUTO else ctx.config.max_overhead * baseline.step_s)
     need = now.activation_bytes - target.nbytes if target.goal is Goal.BYTES else 0
+    room = ctx.step.host_room(ctx.graph, ctx.config.host_memory_limit)
 
     hiding = place(graphs, movable, set(), ctx).storages
     best = None
     for _ in range(MAX_PLAN_ROUNDS):
         ranked = _items(graphs, movable, hiding, ctx, no_recompute)
-        taken = _select(ranked, target, need, allowance)
+        taken, refused = _select(ranked, target, need, allowance, room)
         if _better(taken, best and best[1], target):
-            best = (ranked, taken, hiding)
+            best = (ranked, taken, hiding, refused)
         recomputed = {i.root for i in taken if i.action is Action.RECOMPUTE}
         if not recomputed:
             break
@@ -414,9 +471,13 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                 {r for r, p in hiding.items() if isinstance(p, Placement)}:
             break
         hiding = again
-    ranked, taken, hiding = best
+    ranked, taken, hiding, refused = best
+    covered = sum(i.nbytes for i in taken)
+    if covered < need:
+        raise StormBudgetError(_host_full_error(need, covered, room, ctx))
     unmet = {Goal.HIDDEN: Held.HOST_TIME, Goal.AUTO: Held.COST,
              Goal.BYTES: Held.BUDGET_MET}[target.goal]
+    no_room = {i.root for i in refused}
     target_bytes = (now.activation_bytes - sum(i.nbytes for i in taken)
                     if target.goal is Goal.AUTO else target.nbytes)
 
@@ -428,7 +489,9 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         eligibility = item.storage.eligibility
         if way is None:
             why = hiding[item.root]
-            held = why if isinstance(why, Unplaced) and target.goal is Goal.HIDDEN else unmet
+            held = (Held.HOST_MEMORY if item.root in no_room
+                    else why if isinstance(why, Unplaced) and target.goal is Goal.HIDDEN
+                    else unmet)
             decisions[item.root] = Decision(Action.KEEP, eligibility, item.figures, held)
         else:
             decisions[item.root] = Decision(way.action, eligibility, way.figures)
@@ -441,7 +504,8 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         baseline_bytes=baseline.activation_bytes, minimum_bytes=minimum,
         planned_bytes=now.activation_bytes - sum(i.nbytes for i in taken),
         baseline_step_s=baseline.step_s,
-        spent_s=earlier_s + sum(i.cost_s for i in taken)))
+        spent_s=earlier_s + sum(i.cost_s for i in taken),
+        host_bytes=sum(_host_bytes(i) for i in taken if i.action is Action.OFFLOAD)))
     if not first_split:
         return dataclasses.replace(graphs, storages=storages)
     return dataclasses.replace(graphs, storages=storages, plan=MemoryPlan(

@@ -108,11 +108,16 @@ class Figures:
     """Why it cannot be recomputed (``""`` when it can)."""
     hides: bool
     """Whether both its copies are predicted to hide beside every other candidate's."""
+    host_full: bool = False
+    """Pinned host memory (``host_memory_limit``) had no room left for its copy when the plan
+    reached it: it can only be recomputed."""
 
     @property
     def cheaper(self) -> Action:
-        """The cheaper way to remove the storage from the device."""
-        rebuild = self.recompute_s is not None and self.recompute_s < self.offload_s
+        """The cheaper way to remove the storage from the device (recomputation when the host
+        is full)."""
+        rebuild = self.recompute_s is not None and (self.host_full
+                                                    or self.recompute_s < self.offload_s)
         return Action.RECOMPUTE if rebuild else Action.OFFLOAD
 
     @property
@@ -128,6 +133,7 @@ class Held(enum.Enum):
     COST = "its cost would pass max_overhead"
     """``"auto"``: removing it would cost more than ``max_overhead`` allows."""
     BUDGET_MET = "the budget is met without it"
+    HOST_MEMORY = "host_memory_limit has no room left for its copy, and it cannot be recomputed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +196,9 @@ class Decision:
         f = self.figures
         if self.action is Action.KEEP:
             return self.held.value if isinstance(self.held, Held) else str(self.held)
+        if self.action is Action.RECOMPUTE and f.host_full:
+            return (f"rebuilt in {f.recompute_s * US:.0f} µs: host_memory_limit has no room "
+                    f"left for an offload")
         if self.action is Action.RECOMPUTE:
             return (f"rebuilt in {f.recompute_s * US:.0f} µs, below an offload's "
                     f"{f.offload_s * US:.0f} µs")

@@ -63,6 +63,9 @@ class GraphShare:
     """Predicted step time the plan adds."""
     resident_bytes: int = 0
     """Streamed weights the plan keeps on the device: they count against a byte budget."""
+    host_bytes: int = 0
+    """Pinned host memory its offloads hold at the end of its forward (in the pool's buckets):
+    the step's graphs share ``host_memory_limit``."""
 
 
 GraphId = tuple[int, int, int]
@@ -181,6 +184,11 @@ class StepBudget:
     def keep_resident(self, graph: GraphId, nbytes: int) -> None:
         """This graph's plan keeps ``nbytes`` of streamed weights on the device."""
         self._shares[graph] = dataclasses.replace(self._shares[graph], resident_bytes=nbytes)
+
+    def host_room(self, graph: GraphId, limit: int) -> int:
+        """Pinned host memory this graph's offloads may hold: ``limit`` less what the step's
+        other graphs' offloads hold."""
+        return limit - sum(s.host_bytes for s in self._others(graph))
 
     def allowance_s(self, graph: GraphId, baseline_step_s: float, max_overhead: float) -> float:
         """Predicted step time this graph's plan may add under ``memory_budget="auto"``."""

@@ -15,6 +15,8 @@ from storm_compile.config import StormConfig
 from storm_compile.graphs import PassContext, saved_values
 from storm_compile.passes import StormBudgetError
 from storm_compile.pipeline import run_passes
+from storm_compile.plan import Action, Held
+from storm_compile.runtime import bucket_bytes
 from storm_compile.simulate import simulate
 from storm_compile.vocabulary import makes_choice
 from zoo import ZOO
@@ -229,3 +231,36 @@ def test_recomputations_never_chain_two_links():
     rebuilds.take(third)
     assert rebuilds.clashes(first) and rebuilds.clashes(fourth)
     assert not rebuilds.clashes(SimpleNamespace(action=Action.OFFLOAD))
+
+
+def _offloaded_host_bytes(graphs) -> int:
+    return sum(bucket_bytes(s.nbytes) for s, d in graphs.storages if d.action is Action.OFFLOAD)
+
+
+def test_offloads_never_pass_host_memory_limit_and_the_rest_is_recomputed():
+    """With room on the host for half of what the plan at 0.5 offloads, the plan keeps its
+    offloads within the room, recomputes what no longer fits there, and still meets the
+    budget."""
+    unbounded = capture("gpt", **_budget_options(0.5))
+    limit = _offloaded_host_bytes(unbounded) // 2
+    graphs = capture("gpt", **_budget_options(0.5), host_memory_limit=limit)
+    assert _offloaded_host_bytes(graphs) <= limit
+    (full,) = [d for _, d in graphs.plan.recomputed if d.figures.host_full]
+    assert "host_memory_limit has no room left" in full.reason
+    assert simulate(graphs, cost_model()).activation_bytes <= graphs.plan.target_bytes
+
+
+def test_a_budget_the_host_cannot_hold_names_host_memory_limit():
+    with pytest.raises(BackendCompilerFailed) as caught:
+        step("gpt", storm(**{**PLAN_OPTIONS, "offload": "all", "recompute": False,
+                             "host_memory_limit": 1}))
+    error = caught.value.inner_exception
+    assert isinstance(error, StormBudgetError)
+    assert "Raise host_memory_limit" in str(error)
+
+
+def test_without_a_budget_an_offload_past_the_host_room_stays_and_says_why():
+    graphs = capture("gpt", **PLAN_OPTIONS, host_memory_limit=1)
+    held = [d.held for _, d in graphs.storages if d.figures is not None and d.figures.hides]
+    assert held and all(h is Held.HOST_MEMORY for h in held)
+    assert not any(d.action is Action.OFFLOAD for _, d in graphs.storages)

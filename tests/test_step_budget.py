@@ -1,5 +1,6 @@
 """One budget for the whole step: the ledger's arithmetic, graph breaks, and DDP's pieces."""
 
+import dataclasses
 import os
 import socket
 import warnings
@@ -257,3 +258,12 @@ def test_ddp_pieces_share_one_budget(single_rank_group, budget):
         assert planned < baseline
     else:
         assert planned <= budget * baseline
+
+
+def test_host_room_is_the_limit_less_the_other_graphs_offloads():
+    step = StepBudget()
+    step.record(FIRST, dataclasses.replace(_share(100, 0, 50), host_bytes=30))
+    assert step.host_room(SECOND, 100) == 70
+    step.record(SECOND, dataclasses.replace(_share(100, 0, 50), host_bytes=60))
+    assert step.host_room(FIRST, 100) == 40
+    assert step.host_room(SECOND, 100) == 70

@@ -72,6 +72,10 @@ def _model_arguments(parser: argparse.ArgumentParser, model_help: str) -> None:
                              f"the backend uses; without CUDA, {GPU_PLANNING_PROFILE})")
     parser.add_argument("--min-offload-bytes", default=None,
                         help="storm option min_offload_bytes (bytes or e.g. 4MiB)")
+    parser.add_argument("--host-memory-limit", default=None,
+                        help="storm option host_memory_limit: pinned host memory the offloads "
+                             "may hold (bytes or e.g. 64GiB; default half of this machine's "
+                             "RAM)")
     parser.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
                         help="storm option recompute=False: plan with offloads only")
     parser.add_argument("--format", choices=("table", "json"), default="table")

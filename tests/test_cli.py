@@ -538,6 +538,18 @@ def test_tables_fit_120_columns_with_sizes_in_binary_units(argv, capsys):
     assert "iB" in out and " bytes" not in out and "GiB)" not in out
 
 
+def test_schedule_host_memory_limit_bounds_the_offloads(capsys):
+    """A limit below what the plan at 0.3 offloads, with nothing that may be recomputed, is an
+    error naming it (``tests/test_plan.py`` checks the recomputation that takes the rest)."""
+    argv = ["schedule", "gpt", *TINY_SHAPE, "--memory-budget", "0.3", "--format", "json"]
+    assert main([*argv, "--no-recompute"]) == 0
+    offloaded = json.loads(capsys.readouterr().out)["summary"]["offloaded_bytes"]
+    assert offloaded > 0
+    assert main([*argv, "--no-recompute", "--host-memory-limit", str(offloaded // 2)]) \
+        == EXIT_USAGE
+    assert "Raise host_memory_limit" in _one_line_error(capsys)
+
+
 @pytest.mark.parametrize("budget, message", [
     ("12parsecs", "cannot use '12parsecs': unknown size unit 'parsecs'"),
     ("1KiB", "below the minimum feasible"),

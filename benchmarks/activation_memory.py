@@ -54,15 +54,15 @@ import torch.utils.checkpoint
 from tabulate import tabulate
 
 from benchmarks.trace_analysis import profiled
-from storm_compile.backend import StormBackend
+from storm_compile.cli.models import GPT, GPTShape, build_gpt
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import CPU_PLANNING, PRESETS, StormConfig
-from storm_compile.graphs import StormGraphs
-from storm_compile.models import GPT, GPTShape, build_gpt
-from storm_compile.plan import MemoryPlan
-from storm_compile.prediction import Prediction
-from storm_compile.runtime import get_runtime
-from storm_compile.simulate import simulate
-from storm_compile.vocabulary import GIB, MS
+from storm_compile.cost.simulate import simulate
+from storm_compile.fx.graphs import StormGraphs
+from storm_compile.fx.plan import MemoryPlan
+from storm_compile.fx.prediction import Prediction
+from storm_compile.fx.vocabulary import GIB, MS
+from storm_compile.runtime.streams import get_runtime
 
 EXIT_NO_CUDA = 2
 LINK_PROBE_BYTES = 256 << 20

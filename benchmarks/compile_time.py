@@ -12,9 +12,9 @@ entry that could not be written) and its warning lines, and keeps each stderr in
 directory.
 
 Models: ``gpt-L<n>``: the built-in gpt with n blocks; ``llama-<preset>``: a Llama preset
-(:data:`~storm_compile.models.LLAMA_PRESETS`) at :data:`LLAMA_TOKENS` tokens, its loss
+(:data:`~storm_compile.cli.models.LLAMA_PRESETS`) at :data:`LLAMA_TOKENS` tokens, its loss
 differentiated; ``llama-<preset>-streamed``: the same with its parameters streamed from host
-memory (:func:`~storm_compile.streaming.stream_parameters`), storm under the preset's byte
+memory (:func:`~storm_compile.weights.streaming.stream_parameters`), storm under the preset's byte
 budget (:data:`STREAMED_BUDGETS`). Inductor cannot stream: its row of a streamed model is the
 same model resident on the GPU, the compile storm's stands beside (measured once where the run
 also lists the unstreamed model). ``--profile`` runs one more warm child per row and writes
@@ -56,8 +56,8 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _ratio
 from storm_compile import storm
-from storm_compile.models import LLAMA_PRESETS, GPTShape, build_gpt, build_llama
-from storm_compile.streaming import stream_parameters
+from storm_compile.cli.models import LLAMA_PRESETS, GPTShape, build_gpt, build_llama
+from storm_compile.weights.streaming import stream_parameters
 
 BACKENDS = ("inductor", "storm")
 CUDA_SHAPE = GPTShape(d_model=2048, heads=16, seq=2048, batch=4, dtype="bfloat16")

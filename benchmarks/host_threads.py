@@ -20,7 +20,7 @@ import torch
 from tabulate import tabulate
 
 from benchmarks.compile_time import write
-from storm_compile.calibrate import seconds_on_a_thread
+from storm_compile.cost.calibrate import seconds_on_a_thread
 
 DTYPE = torch.bfloat16
 """The dtype of the streamed models' weights and gradients."""

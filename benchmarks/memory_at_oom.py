@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from storm_compile.vocabulary import GIB, MIB
+from storm_compile.fx.vocabulary import GIB, MIB
 
 HISTORY_ENTRIES = 200_000
 """Allocation events the allocator keeps: a 70B step allocates some 50 000 blocks."""

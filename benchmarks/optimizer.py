@@ -33,7 +33,7 @@ from torch.optim.adamw import adamw
 
 from benchmarks.activation_memory import EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, write
-from storm_compile.vocabulary import MIB, MS
+from storm_compile.fx.vocabulary import MIB, MS
 
 LEARNING_RATE, BETAS, WEIGHT_DECAY, EPS = 3e-4, (0.9, 0.95), 0.1, 1e-8
 """The usual AdamW settings of language-model training."""

@@ -1,6 +1,6 @@
 """How fast pinned host memory is made: ``cudaHostAlloc`` (torch's default) against
 ``cudaHostRegister`` with pages mapped on threads (``pinned_use_cuda_host_register``, what
-:func:`storm_compile.runtime.pin_quickly` sets), each in fresh processes, alternated.
+:func:`storm_compile.runtime.streams.pin_quickly` sets), each in fresh processes, alternated.
 
 Each child pins :data:`BUFFERS` (the sizes of a streamed model's first step: a few large
 buffers and many weight-sized ones), reports seconds and GB/s, then times a device-to-host copy
@@ -26,7 +26,7 @@ from tabulate import tabulate
 
 from benchmarks.activation_memory import EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing
-from storm_compile.runtime import PINNING_THREADS
+from storm_compile.runtime.streams import PINNING_THREADS
 
 MIB = 1 << 20
 BUFFERS = [256 * MIB] * 8 + [30 * MIB] * 40

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import collections
 
-from storm_compile import commands
+from storm_compile.cli import commands
 from storm_compile.config import DEFAULT_PROFILE
-from storm_compile.graphs import StormGraphs
+from storm_compile.fx.graphs import StormGraphs
 
 PLANNER_PASSES = ("plan_offload", "plan_memory", "plan_weights")
 

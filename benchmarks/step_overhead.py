@@ -4,7 +4,7 @@ its cost model predicts the copies hide under compute, which steps of millisecon
 room for; section 4 counts what it moved.
 
 1. Training steps: fw+bw (no optimizer, as ``benchmarks.zoo_memory``) of a Llama-style model
-   (``storm_compile.models.build_llama``, 6 layers, d1024, 4 × 1024 tokens) and of a T5-style
+   (``storm_compile.cli.models.build_llama``, 6 layers, d1024, 4 × 1024 tokens) and of a T5-style
    encoder-decoder (:class:`T5`, 6 + 6 layers, d1024, 4 × 1024 tokens each side). Both
    backends' models are built from the same seed, warmed up, then timed in alternating rounds
    (inductor, storm, inductor, storm, ...) so that drift (clocks, other processes) falls on both
@@ -15,7 +15,7 @@ room for; section 4 counts what it moved.
    wall time from calling the compiled forward to its return, and of ``loss.backward()``, not
    synchronised, in batches of :data:`HOST_CALLS_PER_BATCH` iterations with a synchronisation
    between batches (a full launch queue would make the host wait for the device).
-3. Host time per transfer op call: every op of ``storm_compile.ops`` called directly, as a
+3. Host time per transfer op call: every op of ``storm_compile.runtime.ops`` called directly, as a
    compiled graph calls it (its ``.default`` overload), on small tensors, in the order a graph
    calls them (offload, record, wait; prefetch, record, wait; ...), beside ``aten::add`` on the
    same tensors. ``wait_host`` and ``grad_to_host`` block until the host thread has added the
@@ -60,12 +60,12 @@ from torch import nn
 
 from benchmarks.activation_memory import EXIT_NO_CUDA, _Device, _ratio
 from benchmarks.compile_time import cuda_missing, error_line, write
-from storm_compile import ops
-from storm_compile.backend import StormBackend
+from storm_compile.cli.models import LLAMA_PRESETS, LlamaShape, build_llama, swiglu_hidden
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
-from storm_compile.graphs import StormGraphs
-from storm_compile.models import LLAMA_PRESETS, LlamaShape, build_llama, swiglu_hidden
-from storm_compile.vocabulary import MIB, MS, US, is_transfer
+from storm_compile.fx.graphs import StormGraphs
+from storm_compile.fx.vocabulary import MIB, MS, US, is_transfer
+from storm_compile.runtime import ops
 
 BACKENDS = ("inductor", "storm")
 REFERENCE = "inductor"
@@ -488,7 +488,7 @@ class _OpTimer:
 
 def _op_round(call: _OpTimer, x: torch.Tensor, g: torch.Tensor, w: torch.Tensor,
               device: torch.device, limit: int) -> None:
-    """Each op once, chained as storm's graphs chain them (``storm_compile.ops``): an
+    """Each op once, chained as storm's graphs chain them (``storm_compile.runtime.ops``): an
     activation home and back, a gradient home into a host weight's ``.grad``, a streamed
     weight fetched and read resident, and a gradient sent home the eager way."""
     call(torch.ops.aten.add.Tensor, x, x)

@@ -7,16 +7,19 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
 * ``compile``: the whole model, its gradients and AdamW's state on the GPU, ``torch.compile``
   with Inductor, no memory cap (the reference).
 * ``storm``: the plain loop (``backward()`` per micro-batch, ``optimizer.step()``,
-  ``zero_grad()``). :func:`~storm_compile.streaming.stream_parameters` keeps the parameters of
+  ``zero_grad()``). :func:`~storm_compile.weights.streaming.stream_parameters` keeps the parameters
+  of
   1 MiB or more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``,
   AdamW on the host; the process's GPU memory capped at ``--cap-gib`` with
   ``torch.cuda.set_per_process_memory_fraction``. Storm learns the loop
-  (:mod:`storm_compile.cycles`) in the untimed step and the first timed one; where the number of
+  (:mod:`storm_compile.runtime.cycles`) in the untimed step and the first timed one; where the
+  number of
   micro-batches changes between points, the run says so with
-  :func:`~storm_compile.streaming.overlap_optimizer`, which starts the learning afresh.
+  :func:`~storm_compile.weights.streaming.overlap_optimizer`, which starts the learning afresh.
 * ``storm-explicit``: ``storm`` with the constructs that say up front what storm would learn:
-  :class:`~storm_compile.streaming.OverlappedOptimizer` around the last micro-batch's backward
-  and the micro-batches in :func:`~storm_compile.streaming.gradient_accumulation`.
+  :class:`~storm_compile.weights.streaming.OverlappedOptimizer` around the last micro-batch's
+  backward
+  and the micro-batches in :func:`~storm_compile.weights.streaming.gradient_accumulation`.
 * ``fsdp2-offload``: ``fully_shard`` on every block and the root with ``CPUOffloadPolicy`` on a
   one-rank process group (torch's hook-based offload), eager, AdamW on the host, same cap;
   gradient accumulation as FSDP2 documents it: ``set_requires_gradient_sync(False)`` for every
@@ -42,7 +45,7 @@ Two parts, both optional:
   took,
   and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches'
   forward and backward, the host thread's additions and the host AdamW, overlapped or after,
-  as :func:`storm_compile.simulate.predict_step` predicts it) with where it predicts the step
+  as :func:`storm_compile.cost.simulate.predict_step` predicts it) with where it predicts the step
   waits: on copies (exposed transfers) and on the host (additions and optimizer), its predicted
   device peak (the largest of its graphs'), and in ``results.json`` the ops it predicts the
   most compute time for; with ``--profile``, one more step of the listed methods traced, and
@@ -91,22 +94,22 @@ from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
 from benchmarks.memory_at_oom import record_until_oom
 from benchmarks.trace_analysis import profiled
-from storm_compile.backend import StormBackend
-from storm_compile.calibrate import profile_for
+from storm_compile.cli.models import LLAMA_PRESETS, Llama, LlamaShape, add_lora
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
-from storm_compile.graphs import COST_KEY, StormGraphs
-from storm_compile.models import LLAMA_PRESETS, Llama, LlamaShape, add_lora
-from storm_compile.quantize import FORMATS, dequantize, quantize
-from storm_compile.prediction import StepPrediction
-from storm_compile.simulate import device_bytes, predict_step, simulate
-from storm_compile.streaming import (
+from storm_compile.cost.calibrate import profile_for
+from storm_compile.cost.simulate import device_bytes, predict_step, simulate
+from storm_compile.fx.graphs import COST_KEY, StormGraphs
+from storm_compile.fx.prediction import StepPrediction
+from storm_compile.fx.vocabulary import GIB, MS
+from storm_compile.weights.quantize import FORMATS, dequantize, quantize
+from storm_compile.weights.streaming import (
     DEFAULT_RESIDENT_BYTES,
     OverlappedOptimizer,
     gradient_accumulation,
     overlap_optimizer,
     stream_parameters,
 )
-from storm_compile.vocabulary import GIB, MS
 
 OPS_REPORTED = 12
 """The ops with the most predicted compute time a storm row lists in results.json: enough to see

@@ -90,8 +90,8 @@ from benchmarks.compile_time import error_line, write
 from benchmarks.step_overhead import _paired_ratio, run_benchmark, timed_rounds
 from benchmarks.streaming import ALLOCATOR, SMOKE_RESIDENT_BYTES
 from storm_compile import storm
-from storm_compile.streaming import DEFAULT_RESIDENT_BYTES, stream_parameters
-from storm_compile.vocabulary import GIB, MS
+from storm_compile.fx.vocabulary import GIB, MS
+from storm_compile.weights.streaming import DEFAULT_RESIDENT_BYTES, stream_parameters
 
 TRAINER_LLAMA = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 8,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128_256,

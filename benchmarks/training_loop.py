@@ -37,7 +37,7 @@ from benchmarks import model_zoo
 from benchmarks.activation_memory import EXIT_NO_CUDA, _Device, _gib
 from benchmarks.compile_time import error_line, write
 from benchmarks.zoo_memory import METHODS, REFERENCE, wrap
-from storm_compile.runtime import get_runtime
+from storm_compile.runtime.streams import get_runtime
 
 MODEL = "llama"
 SIZE = "bench"

@@ -37,7 +37,8 @@ from storm_compile.config import PRESETS
 
 REFERENCE = "compile"
 METHODS = (REFERENCE, "storm", "storm-budget-0.5")
-"""Inductor, then the storm presets of :data:`storm_compile.config.PRESETS` measured here."""
+"""Inductor, then the storm presets of :data:`storm_compile.config.PRESETS` measured
+here."""
 MODEL_SEED = 0
 """Every method's model is built after this seed: the same weights for all."""
 DATA_SEED = 1

@@ -11,7 +11,7 @@ Prints each step's loss.
 import torch
 
 from storm_compile import storm
-from storm_compile.models import GPTShape, build_gpt
+from storm_compile.cli.models import GPTShape, build_gpt
 
 STEPS = 3
 SHAPE = GPTShape(d_model=256, layers=2, heads=4, seq=128, batch=2, dtype="float32")

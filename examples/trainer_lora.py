@@ -20,7 +20,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from storm_compile import storm
-from storm_compile.streaming import stream_parameters
+from storm_compile.weights.streaming import stream_parameters
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 """Every projection of a Llama block, as LoRA recipes commonly adapt them."""

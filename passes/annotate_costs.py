@@ -1,4 +1,4 @@
-"""Annotate every node of both graphs with its :class:`~storm_compile.graphs.NodeCost`.
+"""Annotate every node of both graphs with its :class:`~storm_compile.fx.graphs.NodeCost`.
 
 Assumes: nodes carry ``meta["val"]`` (fake tensors), as AOTAutograd leaves them.
 Guarantees: every node has ``meta[COST_KEY]``: its output bytes, whether it runs on the compute
@@ -8,8 +8,8 @@ Emits: no nodes.
 
 from __future__ import annotations
 
-from storm_compile.graphs import COST_KEY, NodeCost, PassContext, StormGraphs
-from storm_compile.vocabulary import is_compute, tensor_bytes
+from storm_compile.fx.graphs import COST_KEY, NodeCost, PassContext, StormGraphs
+from storm_compile.fx.vocabulary import is_compute, tensor_bytes
 
 
 def annotate_costs(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:

@@ -2,7 +2,7 @@
 and its gradient, crosses the link on a copy stream.
 
 Assumes: ``graphs.storages`` holds every saved storage and ``place_transfers`` gave every
-``Action.OFFLOAD`` decision its :class:`~storm_compile.plan.Placement` (``offload_after``,
+``Action.OFFLOAD`` decision its :class:`~storm_compile.fx.plan.Placement` (``offload_after``,
 ``wait_after``, ``prefetch_after``).
 Guarantees: for each offloaded storage, owned by forward node ``r`` and saved as values
 ``m1..mk`` (``r`` itself or views of it; backward inputs ``h1..hk``):
@@ -78,17 +78,17 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
-from storm_compile import ops
-from storm_compile.graphs import (
+from storm_compile.fx.graphs import (
     PassContext,
     StormGraphs,
     backward_inputs,
     output_node,
     saved_values,
 )
-from storm_compile.plan import Action, GradSend, WeightFetch
-from storm_compile.torch_private import tree_leaves
-from storm_compile.vocabulary import node_order, view_chain, view_closure
+from storm_compile.fx.plan import Action, GradSend, WeightFetch
+from storm_compile.fx.torch_private import tree_leaves
+from storm_compile.fx.vocabulary import node_order, view_chain, view_closure
+from storm_compile.runtime import ops
 
 
 PASS_THROUGH = frozenset({ops.record_event, ops.wait_event, ops.accumulate_grad})

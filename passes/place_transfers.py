@@ -2,8 +2,8 @@
 
 Assumes: ``annotate_costs`` gave every node its compute time; ``plan_memory`` decided which
 storages are offloaded (``Action.OFFLOAD`` in ``graphs.storages``).
-Guarantees: every offload decision carries a :class:`~storm_compile.plan.Placement`, made by
-:func:`storm_compile.placement.place` with every offload required (nothing is dropped: the
+Guarantees: every offload decision carries a :class:`~storm_compile.fx.plan.Placement`, made by
+:func:`storm_compile.cost.placement.place` with every offload required (nothing is dropped: the
 planner decided, this pass only places): ``offload_after`` (the forward node after which the
 D2H copy is issued), ``wait_after`` (the forward node after which the compute stream waits on
 it), ``prefetch_after`` (the backward node after which the prefetch is issued; None for right
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from storm_compile.graphs import PassContext, StormGraphs
-from storm_compile.placement import place
-from storm_compile.plan import Action
+from storm_compile.cost.placement import place
+from storm_compile.fx.graphs import PassContext, StormGraphs
+from storm_compile.fx.plan import Action
 
 
 def place_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:

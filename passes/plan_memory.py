@@ -36,16 +36,18 @@ re-split the joint graph it holds the plan, and only offloads are chosen again, 
 target.
 Guarantees: ``graphs.plan`` is set (the no-storm baseline prediction, target, minimum, what is
 recomputed); every movable storage's decision in ``graphs.storages`` is ``keep``, ``offload``
-or ``recompute``, with the :class:`~storm_compile.plan.Figures` that decided it, and for a
+or ``recompute``, with the :class:`~storm_compile.fx.plan.Figures` that decided it, and for a
 kept one why it was held (``Held``, or the ``Unplaced`` reason its copies cannot hide).
 Predicted activation memory is at most the target when one is given; when the host's room
 cannot take what must leave the device, ``StormBudgetError`` names ``host_memory_limit``.
 The offloads' pinned bytes are recorded in the step's ledger. Byte and fraction budgets
 are the step's, shared with the step's other graphs through ``ctx.step``
-(:mod:`storm_compile.step_budget`), which raises ``StormBudgetError`` (a ``ValueError``) only
+(:mod:`storm_compile.planner.step_budget`), which raises ``StormBudgetError`` (a ``ValueError``)
+only
 when a byte budget is below the step's minimum; every plan is recorded there. In a graph that
-streams weights (:mod:`storm_compile.streaming`) a byte budget first pays for the weights the
-device holds (:class:`~storm_compile.streaming.DeviceWeights`: resident inputs, the prefetch
+streams weights (:mod:`storm_compile.weights.streaming`) a byte budget first pays for the weights
+the
+device holds (:class:`~storm_compile.weights.streaming.DeviceWeights`: resident inputs, the prefetch
 window, the largest streamed weight) and the rest bounds activations; a budget below that plus
 the activations that cannot move raises ``StormBudgetError`` naming the largest weight. Graphs
 with no
@@ -63,9 +65,10 @@ import warnings
 import torch
 from torch import fx
 
-from storm_compile.graphs import COST_KEY, PassContext, StormGraphs, saved_values
-from storm_compile.placement import place
-from storm_compile.plan import (
+from storm_compile.cost.placement import place
+from storm_compile.cost.simulate import simulate
+from storm_compile.fx.graphs import COST_KEY, PassContext, StormGraphs, saved_values
+from storm_compile.fx.plan import (
     Action,
     Decision,
     Figures,
@@ -75,13 +78,12 @@ from storm_compile.plan import (
     Storage,
     Unplaced,
 )
-from storm_compile.prediction import Prediction
-from storm_compile.runtime import bucket_bytes
-from storm_compile.simulate import simulate
-from storm_compile.step_budget import GraphShare, StormBudgetError
-from storm_compile.streaming import device_weights
-from storm_compile.torch_private import OpOverload
-from storm_compile.vocabulary import GIB, Lane, makes_choice, view_chain
+from storm_compile.fx.prediction import Prediction
+from storm_compile.fx.torch_private import OpOverload
+from storm_compile.fx.vocabulary import GIB, Lane, makes_choice, view_chain
+from storm_compile.planner.step_budget import GraphShare, StormBudgetError
+from storm_compile.runtime.streams import bucket_bytes
+from storm_compile.weights.streaming import device_weights
 
 NO_BUDGET_SHARE = 0.5
 """Without a budget, memory saved is welcome but not asked for: offloads may spend only this

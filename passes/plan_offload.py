@@ -7,15 +7,15 @@ the device memory is freed only when none of them is held any more. This pass sa
 storages *may* move (``action == "offload"``); ``plan_memory`` then decides what each one does.
 
 Assumes: ``annotate_costs`` ran; the graphs are a partitioner's forward/backward pair.
-Guarantees: ``graphs.storages`` is a new :class:`~storm_compile.plan.StoragePlan` holding one
-:class:`~storm_compile.plan.Storage` per storage saved for the backward, in the order of the
-saved values, each with its :class:`~storm_compile.plan.Eligibility`. A storage is movable
+Guarantees: ``graphs.storages`` is a new :class:`~storm_compile.fx.plan.StoragePlan` holding one
+:class:`~storm_compile.fx.plan.Storage` per storage saved for the backward, in the order of the
+saved values, each with its :class:`~storm_compile.fx.plan.Eligibility`. A storage is movable
 only when it is owned by a forward op (not a graph input or a storm transfer), no user-visible
 output shares it, it is not an output of a higher-order op (the RNG state of a checkpointed
 region), it is dense and non-empty at the traced sizes, on a CUDA device (any device with
 ``transfer_cpu_tensors``), at least ``min_offload_bytes``, read by the backward, and every saved
 view of it can be rebuilt in the backward from the storage alone; otherwise the first
-:class:`~storm_compile.plan.Rule` it breaks is recorded. Every decision is ``keep`` for the
+:class:`~storm_compile.fx.plan.Rule` it breaks is recorded. Every decision is ``keep`` for the
 storages that must stay and ``offload`` (a candidate: ``plan_memory`` decides) for the others.
 Emits: no nodes; the graphs are not changed.
 """
@@ -29,7 +29,7 @@ from collections.abc import Container
 import torch
 from torch import fx
 
-from storm_compile.graphs import (
+from storm_compile.fx.graphs import (
     COST_KEY,
     PassContext,
     StormGraphs,
@@ -38,7 +38,7 @@ from storm_compile.graphs import (
     model_outputs,
     saved_values,
 )
-from storm_compile.plan import (
+from storm_compile.fx.plan import (
     MOVABLE,
     Action,
     Decision,
@@ -47,8 +47,8 @@ from storm_compile.plan import (
     Storage,
     StoragePlan,
 )
-from storm_compile.torch_private import HigherOrderOperator
-from storm_compile.vocabulary import (
+from storm_compile.fx.torch_private import HigherOrderOperator
+from storm_compile.fx.vocabulary import (
     hint,
     is_dense,
     is_transfer,

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from storm_compile import ops
-from storm_compile.graphs import PassContext, StormGraphs
-from storm_compile.plan import ResidentWeight
-from storm_compile.streaming import device_weights
-from storm_compile.vocabulary import tensor_bytes
+from storm_compile.fx.graphs import PassContext, StormGraphs
+from storm_compile.fx.plan import ResidentWeight
+from storm_compile.fx.vocabulary import tensor_bytes
+from storm_compile.runtime import ops
+from storm_compile.weights.streaming import device_weights
 
 
 def plan_weights(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:

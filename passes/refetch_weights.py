@@ -2,8 +2,8 @@
 
 Assumes: ``joint`` is AOTAutograd's joint forward-backward graph, not yet partitioned; a
 streamed weight's reads are ``storm.fetch_weight(host_weight, device)`` nodes
-(:mod:`storm_compile.streaming`), followed, for a weight held in a host format, by the plain
-ops that rebuild it (:func:`storm_compile.quantize.dequantize`).
+(:mod:`storm_compile.weights.streaming`), followed, for a weight held in a host format, by the plain
+ops that rebuild it (:func:`storm_compile.weights.quantize.dequantize`).
 Guarantees: every ``storm.fetch_weight`` node, and every node computed only from fetched
 weights and constants by an op without a FLOP formula (the ops that rebuild a packed weight,
 casts, views), carries ``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE``, the tag
@@ -20,8 +20,8 @@ from __future__ import annotations
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from storm_compile import ops
-from storm_compile.vocabulary import RECOMPUTE_TAG, is_constant, rebuilds_weight
+from storm_compile.fx.vocabulary import RECOMPUTE_TAG, is_constant, rebuilds_weight
+from storm_compile.runtime import ops
 
 
 def refetch_weights(joint: fx.GraphModule) -> fx.GraphModule:

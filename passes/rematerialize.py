@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from torch.utils.checkpoint import CheckpointPolicy
 
-from storm_compile.graphs import PassContext, StormGraphs
-from storm_compile.vocabulary import RECOMPUTE_TAG
+from storm_compile.fx.graphs import PassContext, StormGraphs
+from storm_compile.fx.vocabulary import RECOMPUTE_TAG
 
 
 class RecomputeRejectedError(RuntimeError):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from storm_compile import ops
+from storm_compile.runtime import ops
 
 
 def sum_tied_gradients(joint: fx.GraphModule) -> fx.GraphModule:

@@ -27,9 +27,9 @@ import collections
 
 from torch import fx
 
-from storm_compile import ops
-from storm_compile.graphs import StormGraphs, model_outputs, output_node
-from storm_compile.vocabulary import storage_owner
+from storm_compile.fx.graphs import StormGraphs, model_outputs, output_node
+from storm_compile.fx.vocabulary import storage_owner
+from storm_compile.runtime import ops
 
 
 class StormVerificationError(RuntimeError):

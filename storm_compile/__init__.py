@@ -23,11 +23,13 @@ __version__ = "0.1.0"
 __all__ = ["storm", "StormBackend", "StormConfig", "stream_parameters", "overlap_optimizer",
            "StormAutogradError", "StormOverlapError", "__version__"]
 
-_LAZY = {"storm": "storm_compile.backend", "StormBackend": "storm_compile.backend",
-         "StormConfig": "storm_compile.config", "stream_parameters": "storm_compile.streaming",
-         "overlap_optimizer": "storm_compile.streaming",
-         "StormAutogradError": "storm_compile.runtime",
-         "StormOverlapError": "storm_compile.cycles"}
+_LAZY = {"storm": "storm_compile.compiler.backend",
+         "StormBackend": "storm_compile.compiler.backend",
+         "StormConfig": "storm_compile.config",
+         "stream_parameters": "storm_compile.weights.streaming",
+         "overlap_optimizer": "storm_compile.weights.streaming",
+         "StormAutogradError": "storm_compile.runtime.streams",
+         "StormOverlapError": "storm_compile.runtime.cycles"}
 """The module that defines each public name but the version. Those modules import torch, so a
 name is imported on its first use (:func:`__getattr__`), and importing the package does not load
 torch: ``storm --help`` and ``storm --version`` print at once."""

@@ -12,8 +12,8 @@ import os
 import re
 from typing import Any, Literal, get_args
 
-from storm_compile.profiles import DEFAULT_PROFILE
-from storm_compile.vocabulary import GIB, KIB, MIB, TIB
+from storm_compile.cost.profiles import DEFAULT_PROFILE
+from storm_compile.fx.vocabulary import GIB, KIB, MIB, TIB
 
 DEFAULT_MIN_OFFLOAD_BYTES = 1 * MIB
 """Smaller activations stay on the GPU. A copy pays about 25 µs of fixed latency on the H100

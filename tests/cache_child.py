@@ -12,9 +12,9 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from storm_compile import storm
+from storm_compile.cli.models import LLAMA_PRESETS, build_llama
 from storm_compile.config import CPU_PLANNING
-from storm_compile.models import LLAMA_PRESETS, build_llama
-from storm_compile.streaming import stream_parameters
+from storm_compile.weights.streaming import stream_parameters
 
 RESIDENT_BYTES = 4096
 """Streams the tiny Llama's matrices (8 KiB and up), keeps its norm weights (256 B)."""

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from storm_compile import ops
-from storm_compile.backend import StormBackend
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import CPU_PLANNING, StormConfig
-from storm_compile.cost_model import CostModel
-from storm_compile.graphs import COST_KEY, StormGraphs
+from storm_compile.cost.cost_model import CostModel
+from storm_compile.fx.graphs import COST_KEY, StormGraphs
+from storm_compile.runtime import ops
 from zoo import ZOO
 
 CPU_TEST_OPTIONS = {**CPU_PLANNING, "inner": "eager", "min_offload_bytes": 0,

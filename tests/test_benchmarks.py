@@ -9,7 +9,7 @@ import torch
 from benchmarks import activation_memory, memory_at_oom, optimizer, streaming
 from benchmarks.trace_analysis import analyse
 from storm_compile.config import PRESETS
-from storm_compile.prediction import Prediction
+from storm_compile.fx.prediction import Prediction
 
 
 def test_smoke_writes_table_and_json(tmp_path):
@@ -214,9 +214,9 @@ def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
 
 def test_step_overhead_smoke_measures_both_backends_and_every_transfer_op(tmp_path):
     """A row per model and backend, storm moving nothing at its defaults on the CPU, both
-    backends' host calls, and a row for every op ``storm_compile.ops`` defines."""
+    backends' host calls, and a row for every op ``storm_compile.runtime.ops`` defines."""
     from benchmarks import step_overhead
-    from storm_compile import ops
+    from storm_compile.runtime import ops
 
     assert step_overhead.main(["--smoke", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())

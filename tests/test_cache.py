@@ -21,17 +21,18 @@ import pytest
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
-from storm_compile import plan_cache, storm
-from storm_compile.backend import (
+from storm_compile import storm
+from storm_compile.cli.models import LLAMA_PRESETS, build_llama
+from storm_compile.compiler.backend import (
     StormCacheError,
     _decompositions,
     _default_backend,
     storm_backend,
 )
 from storm_compile.config import CPU_PLANNING, StormOptionError
-from storm_compile.models import LLAMA_PRESETS, build_llama
-from storm_compile.step_budget import GraphShare
-from storm_compile.streaming import stream_parameters
+from storm_compile.planner import plan_cache
+from storm_compile.planner.step_budget import GraphShare
+from storm_compile.weights.streaming import stream_parameters
 from helpers import CPU_TEST_OPTIONS, step
 from zoo import ZOO
 

@@ -15,11 +15,12 @@ import torch
 
 import storm_compile
 from benchmarks.activation_memory import CONFIGS, QUICK_CONFIG
-from storm_compile import commands, ops
+from storm_compile.cli import commands
 from storm_compile.cli import EXIT_BROKEN_PIPE, EXIT_USAGE, main
-from storm_compile.backend import StormBackend
+from storm_compile.cli.models import LLAMA_PRESETS, GPTShape, ModelSpecError
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import GIB, StormConfig, StormOptionError
-from storm_compile.models import LLAMA_PRESETS, GPTShape, ModelSpecError
+from storm_compile.runtime import ops
 
 TINY_GPT = ["--d-model", "64", "--layers", "2", "--heads", "4", "--seq", "64", "--batch", "2",
             "--min-offload-bytes", "0", "--profile", "cpu-test", "--offload", "all"]
@@ -357,7 +358,7 @@ def test_a_bug_in_storm_keeps_its_traceback(factory_file, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("storm bug")
 
-    monkeypatch.setattr("storm_compile.backend.storm_partition", broken)
+    monkeypatch.setattr("storm_compile.compiler.backend.storm_partition", broken)
     with pytest.raises(RuntimeError, match="storm bug"):
         main(["schedule", f"{factory_file}:good", "--profile", "cpu-test"])
 
@@ -823,6 +824,6 @@ def test_a_host_format_needs_streamed_frozen_weights(capsys, weights):
 
 
 def test_the_parser_offers_the_host_formats_quantize_packs():
-    from storm_compile.arguments import HOST_FORMATS
-    from storm_compile.quantize import FORMATS
+    from storm_compile.cli.arguments import HOST_FORMATS
+    from storm_compile.weights.quantize import FORMATS
     assert HOST_FORMATS == FORMATS

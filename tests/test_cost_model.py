@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from storm_compile import ops
-from storm_compile.cost_model import ATTENTION_EFFICIENCY, CostModel, materialized, node_flops
-from storm_compile.profiles import PROFILES, DeviceProfile
-from storm_compile.simulate import _Link
-from storm_compile.vocabulary import Lane
+from storm_compile.cost.cost_model import ATTENTION_EFFICIENCY, CostModel, materialized, node_flops
+from storm_compile.cost.profiles import PROFILES, DeviceProfile
+from storm_compile.cost.simulate import _Link
+from storm_compile.fx.vocabulary import Lane
+from storm_compile.runtime import ops
 
 TEST = PROFILES["cpu-test"]
 
@@ -170,7 +170,7 @@ def test_an_nf4_weight_is_rebuilt_in_one_kernel_that_writes_only_the_weight():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from storm_compile.quantize import Packed, dequantize
+    from storm_compile.weights.quantize import Packed, dequantize
 
     packed = Packed("nf4", (64, 128), torch.bfloat16)
     with FakeTensorMode():

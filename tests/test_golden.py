@@ -28,11 +28,11 @@ import pytest
 import torch
 from torch import nn
 
-from storm_compile.backend import StormBackend
+from storm_compile.cli.report import annotate, format_table
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
-from storm_compile.plan import Action, Decision, Eligibility, Rule
-from storm_compile.report import annotate, format_table
-from storm_compile.streaming import stream_parameters
+from storm_compile.fx.plan import Action, Decision, Eligibility, Rule
+from storm_compile.weights.streaming import stream_parameters
 
 BASE_OPTIONS = dict(inner="eager", transfer_cpu_tensors=True, min_offload_bytes=1024,
                     profile="cpu-test", host_memory_limit="1GiB")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from storm_compile import StormBackend, StormConfig, storm
-from storm_compile.models import GPTShape, build_gpt
-from storm_compile.runtime import get_runtime
+from storm_compile.cli.models import GPTShape, build_gpt
+from storm_compile.runtime.streams import get_runtime
 
 pytestmark = pytest.mark.gpu
 

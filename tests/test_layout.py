@@ -13,8 +13,14 @@ PACKAGES = {"storm_compile": Path(storm_compile.__file__).parent,
             "storm_compile.passes": Path(passes.__file__).parent}
 
 
-def _module(package: str, path: Path) -> str:
-    return package if path.stem == "__init__" else f"{package}.{path.stem}"
+def _modules() -> dict[str, Path]:
+    """Every storm module, sub-packages' included, by its dotted name."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = [package, *path.relative_to(folder).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
 
 
 def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
@@ -30,8 +36,7 @@ def _imports(tree: ast.AST, modules: set[str]) -> set[str]:
 
 
 def test_no_import_loop():
-    files = {_module(package, path): path for package, folder in PACKAGES.items()
-             for path in folder.glob("*.py")}
+    files = _modules()
     graph = nx.DiGraph()
     for module, path in files.items():
         graph.add_node(module)
@@ -87,14 +92,13 @@ def _private_torch(tree: ast.AST) -> list[str]:
 
 
 def test_private_torch_apis_live_in_one_module():
-    """Only ``storm_compile.torch_private`` touches torch's private APIs; the rest import them
+    """Only ``storm_compile.fx.torch_private`` touches torch's private APIs; the rest import them
     from it, so a torch release that moves one breaks one table, with a clear error."""
     sample = "import torch._C\nfrom torch.utils import _pytree\nx = torch._C.f(torch.ops.aten._to_copy)"
     assert set(_private_torch(ast.parse(sample))) == {"torch._C", "torch.utils._pytree",
                                                       "torch._C.f"}
-    touched = {path.name: _private_torch(ast.parse(path.read_text()))
-               for folder in PACKAGES.values() for path in folder.glob("*.py")
-               if path.name != "torch_private.py"}
+    touched = {module: _private_torch(ast.parse(path.read_text()))
+               for module, path in _modules().items() if path.name != "torch_private.py"}
     assert {name: apis for name, apis in touched.items() if apis} == {}
 
 
@@ -102,7 +106,7 @@ def test_every_private_torch_api_resolves_or_names_the_torch_it_missed(monkeypat
     """Each API of the table is found in this torch; one it lacks is a
     ``StormTorchVersionError`` naming the API, the torch version and the tested releases; an
     optional one reads as None."""
-    from storm_compile import torch_private
+    from storm_compile.fx import torch_private
 
     import torch
 
@@ -116,3 +120,22 @@ def test_every_private_torch_api_resolves_or_names_the_torch_it_missed(monkeypat
     assert torch.__version__ in message and "2.11 and 2.13" in message
     monkeypatch.setitem(torch_private.OPTIONAL, "moved", ("torch._nowhere:thing",))
     assert torch_private.optional("moved") is None
+
+
+def test_the_layout_tour_names_every_module():
+    """``docs/layout.md`` names each module of the package under its sub-package's item (the
+    package's own modules before the first), all but a sub-package's docstring-only
+    ``__init__.py``."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    tour = (root / "docs" / "layout.md").read_text()
+    items = dict(re.findall(r"^  - `(\w+)/` — (.*?)(?=^  - `|^- )", tour, flags=re.M | re.S))
+    items[""] = tour.split("\n  - `", 1)[0]
+    folder = PACKAGES["storm_compile"]
+    modules = [path for path in folder.rglob("*.py")
+               if len(ast.parse(path.read_text()).body) > 1]
+    missing = [str(path.relative_to(folder)) for path in modules
+               if f"`{path.name}`" not in items.get(path.parent.relative_to(folder).as_posix()
+                                                    .replace(".", ""), "")]
+    assert missing == []

@@ -6,15 +6,15 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import capture, compute_between, cost_model, nodes
-from storm_compile import graphs as graphs_module
-from storm_compile import ops
+from storm_compile.compiler.pipeline import run_passes
 from storm_compile.config import StormConfig
-from storm_compile.graphs import COST_KEY, PassContext, StormGraphs, model_outputs, saved_values
+from storm_compile.cost.simulate import simulate
+from storm_compile.fx import graphs as graphs_module
+from storm_compile.fx.graphs import COST_KEY, PassContext, StormGraphs, model_outputs, saved_values
+from storm_compile.fx.plan import Action, Rule, Unplaced
+from storm_compile.fx.vocabulary import RECOMPUTE_TAG, storage_owner
 from storm_compile.passes import StormVerificationError, verify_graphs
-from storm_compile.pipeline import run_passes
-from storm_compile.plan import Action, Rule, Unplaced
-from storm_compile.simulate import simulate
-from storm_compile.vocabulary import RECOMPUTE_TAG, storage_owner
+from storm_compile.runtime import ops
 from zoo import ZOO
 
 MODELS = sorted(ZOO)

@@ -16,11 +16,12 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import fx
 
-import storm_compile.pin_transfers as pin
-from storm_compile import ops, storm
-from storm_compile.graphs import COST_KEY, NodeCost
-from storm_compile.models import LLAMA_PRESETS, GPTShape, add_lora, build_gpt, build_llama
-from storm_compile.streaming import stream_parameters
+import storm_compile.compiler.pin_transfers as pin
+from storm_compile import storm
+from storm_compile.cli.models import LLAMA_PRESETS, GPTShape, add_lora, build_gpt, build_llama
+from storm_compile.fx.graphs import COST_KEY, NodeCost
+from storm_compile.runtime import ops
+from storm_compile.weights.streaming import stream_parameters
 
 aten = torch.ops.aten
 

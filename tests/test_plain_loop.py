@@ -1,6 +1,7 @@
 """The loop people write over streamed parameters: ``backward()`` per micro-batch, then
 ``optimizer.step()`` and ``zero_grad()``. It trains as the unstreamed model does, takes the fast
-path by itself once storm has learned it (:mod:`storm_compile.cycles`), and every other route to
+path by itself once storm has learned it (:mod:`storm_compile.runtime.cycles`), and every other
+route to
 a streamed parameter (``.data``, ``copy_``, ``load_state_dict``, hooks, ``autograd.grad``,
 ``backward(inputs=...)``) is either right or a one-line error."""
 
@@ -10,10 +11,11 @@ import pytest
 import torch
 
 from helpers import CPU_TEST_OPTIONS
-from storm_compile import StormOverlapError, overlap_optimizer, storm, streaming
-from storm_compile.cycles import STABLE_CYCLES
-from storm_compile.runtime import get_runtime
-from storm_compile.streaming import StormWriteError
+from storm_compile import StormOverlapError, overlap_optimizer, storm
+from storm_compile.runtime.cycles import STABLE_CYCLES
+from storm_compile.runtime.streams import get_runtime
+from storm_compile.weights import streaming
+from storm_compile.weights.streaming import StormWriteError
 from test_streaming import MICRO_BATCHES, _budget_with_room, _pair
 
 STEPS = STABLE_CYCLES + 2

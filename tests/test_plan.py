@@ -9,16 +9,17 @@ from torch import fx
 from torch._dynamo.exc import BackendCompilerFailed
 
 from helpers import CPU_TEST_OPTIONS, capture, cost_model, nodes, step
-from storm_compile import ops, storm
-from storm_compile.backend import StormBackend
+from storm_compile import storm
+from storm_compile.compiler.backend import StormBackend
+from storm_compile.compiler.pipeline import run_passes
 from storm_compile.config import StormConfig
-from storm_compile.graphs import PassContext, saved_values
+from storm_compile.cost.simulate import simulate
+from storm_compile.fx.graphs import PassContext, saved_values
+from storm_compile.fx.plan import Action, Held
+from storm_compile.fx.vocabulary import makes_choice
 from storm_compile.passes import StormBudgetError
-from storm_compile.pipeline import run_passes
-from storm_compile.plan import Action, Held
-from storm_compile.runtime import bucket_bytes
-from storm_compile.simulate import simulate
-from storm_compile.vocabulary import makes_choice
+from storm_compile.runtime import ops
+from storm_compile.runtime.streams import bucket_bytes
 from zoo import ZOO
 
 MODELS = sorted(ZOO)
@@ -208,7 +209,7 @@ def test_recomputations_never_chain_two_links():
     use (each residual sum from the one before, at the top of the backward) and hold it."""
     from types import SimpleNamespace
 
-    from storm_compile.plan import Action
+    from storm_compile.fx.plan import Action
     from storm_compile.passes.plan_memory import _Rebuilds
 
     def layers(x):

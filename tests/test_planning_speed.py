@@ -15,15 +15,17 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import CPU_TEST_OPTIONS, capture, cost_model
-from storm_compile import graphs as graphs_module
-from storm_compile import ops, pipeline, streaming
-from storm_compile.backend import StormBackend
+from storm_compile.cli.models import LLAMA_PRESETS, build_llama
+from storm_compile.compiler import pipeline
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
-from storm_compile.models import LLAMA_PRESETS, build_llama
-from storm_compile.placement import _InFlight
-from storm_compile.plan import Unplaced
-from storm_compile.simulate import device_bytes, simulate
-from storm_compile.vocabulary import RECOMPUTE_TAG
+from storm_compile.cost.placement import _InFlight
+from storm_compile.cost.simulate import device_bytes, simulate
+from storm_compile.fx import graphs as graphs_module
+from storm_compile.fx.plan import Unplaced
+from storm_compile.fx.vocabulary import RECOMPUTE_TAG
+from storm_compile.runtime import ops
+from storm_compile.weights import streaming
 
 INSERT_TRANSFERS = importlib.import_module("storm_compile.passes.insert_transfers")
 """The pass's module (the package exports the pass function under the same name)."""

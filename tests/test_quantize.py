@@ -1,4 +1,4 @@
-"""Frozen streamed weights held in int8 and NF4 host formats (storm_compile.quantize)."""
+"""Frozen streamed weights held in int8 and NF4 host formats (storm_compile.weights.quantize)."""
 
 import copy
 import json
@@ -9,12 +9,14 @@ import torch
 from torch import nn
 
 from helpers import CPU_TEST_OPTIONS
-from storm_compile import storm, streaming
-from storm_compile.backend import StormBackend
+from storm_compile import storm
+from storm_compile.cli.models import add_lora, build_llama
+from storm_compile.cli.shapes import LLAMA_PRESETS
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
-from storm_compile.graphs import saved_values
-from storm_compile.models import add_lora, build_llama
-from storm_compile.quantize import (
+from storm_compile.fx.graphs import saved_values
+from storm_compile.weights import streaming
+from storm_compile.weights.quantize import (
     INT8_LEVELS,
     NF4_BLOCK,
     NF4_CODE,
@@ -23,8 +25,11 @@ from storm_compile.quantize import (
     dequantize,
     quantize,
 )
-from storm_compile.shapes import LLAMA_PRESETS
-from storm_compile.streaming import StormHostMemoryError, checkpoint_weights, stream_parameters
+from storm_compile.weights.streaming import (
+    StormHostMemoryError,
+    checkpoint_weights,
+    stream_parameters,
+)
 
 SHAPE = LLAMA_PRESETS["tiny"]
 RESIDENT_BYTES = 8192

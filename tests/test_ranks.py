@@ -15,11 +15,11 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from helpers import CPU_TEST_OPTIONS
-from storm_compile import ranks
-from storm_compile.backend import StormBackend
+from storm_compile.cli.models import Block, GPTShape, build_gpt
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
-from storm_compile.models import Block, GPTShape, build_gpt
-from storm_compile.plan import Action
+from storm_compile.fx.plan import Action
+from storm_compile.runtime import ranks
 
 WORLD = 2
 SHAPE = GPTShape(d_model=128, layers=6, heads=4, seq=32, batch=2, dtype="float32")

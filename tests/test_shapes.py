@@ -7,10 +7,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from helpers import CPU_TEST_OPTIONS, nodes
-from storm_compile import StormBackend, StormConfig, ops
-from storm_compile.models import GPTShape, build_gpt
-from storm_compile.plan import Rule
-from storm_compile.runtime import BUCKETS_PER_DOUBLING, bucket_bytes
+from storm_compile import StormBackend, StormConfig
+from storm_compile.cli.models import GPTShape, build_gpt
+from storm_compile.fx.plan import Rule
+from storm_compile.runtime import ops
+from storm_compile.runtime.streams import BUCKETS_PER_DOUBLING, bucket_bytes
 
 PLAN_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "recompute": True}
 LENGTHS = (24, 40, 32)
@@ -117,7 +118,7 @@ def test_multi_output_ops_are_recomputed_whole(budget):
 
 
 def test_rejected_recompute_falls_back_to_offloads_with_one_warning(monkeypatch):
-    from storm_compile.graphs import JointGraph
+    from storm_compile.fx.graphs import JointGraph
 
     split = JointGraph.split
 
@@ -192,8 +193,8 @@ def test_peak_memory_reordering_stays_on(monkeypatch, options, pinned):
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    from storm_compile import backend
-    from storm_compile.pin_transfers import pin_transfers
+    from storm_compile.compiler import backend
+    from storm_compile.compiler.pin_transfers import pin_transfers
 
     seen = []
     compile_graph = backend.compile_fx_inner

@@ -13,10 +13,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from helpers import CPU_TEST_OPTIONS
 from storm_compile import StormBackend, StormConfig
+from storm_compile.cli.models import GPTShape, build_gpt
+from storm_compile.cost.simulate import simulate
 from storm_compile.passes import StormBudgetError
-from storm_compile.simulate import simulate
-from storm_compile.models import GPTShape, build_gpt
-from storm_compile.step_budget import GraphShare, StepBudget
+from storm_compile.planner.step_budget import GraphShare, StepBudget
 
 PLAN_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "recompute": True}
 FIRST, SECOND, SECOND_RECOMPILED = (0, 0, 0), (1, 0, 0), (1, 1, 0)

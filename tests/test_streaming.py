@@ -15,12 +15,19 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import CPU_TEST_OPTIONS, cost_model, nodes
-from storm_compile import ops, pipeline, storm, streaming
-from storm_compile.backend import StormBackend
-from storm_compile.calibrate import host_rates
-from storm_compile.cost_model import CostModel
+from storm_compile import storm
+from storm_compile.cli.models import LLAMA_PRESETS, build_llama
+from storm_compile.cli.report import summary
+from storm_compile.compiler import pipeline
+from storm_compile.compiler.backend import StormBackend
+from storm_compile.compiler.pipeline import run_passes
 from storm_compile.config import StormConfig
-from storm_compile.graphs import PassContext, saved_values
+from storm_compile.cost.calibrate import host_rates
+from storm_compile.cost.cost_model import CostModel
+from storm_compile.cost.profiles import PROFILES
+from storm_compile.cost.simulate import device_bytes, predict_step, simulate, stepped_weights
+from storm_compile.fx.graphs import PassContext, saved_values
+from storm_compile.fx.vocabulary import RECOMPUTE_TAG, storage_owner, tensor_bytes
 from storm_compile.passes import (
     StormBudgetError,
     StormVerificationError,
@@ -28,14 +35,10 @@ from storm_compile.passes import (
     sum_tied_gradients,
     verify_graphs,
 )
-from storm_compile.pipeline import run_passes
-from storm_compile.profiles import PROFILES
-from storm_compile.runtime import HostAdder, get_runtime
-from storm_compile.report import summary
-from storm_compile.simulate import device_bytes, predict_step, simulate, stepped_weights
-from storm_compile.models import LLAMA_PRESETS, build_llama
-from storm_compile.streaming import StormHostMemoryError, stream_parameters
-from storm_compile.vocabulary import RECOMPUTE_TAG, storage_owner, tensor_bytes
+from storm_compile.runtime import ops
+from storm_compile.runtime.streams import HostAdder, get_runtime
+from storm_compile.weights import streaming
+from storm_compile.weights.streaming import StormHostMemoryError, stream_parameters
 
 SHAPE = LLAMA_PRESETS["tiny"]
 RESIDENT_BYTES = 4096
@@ -334,8 +337,8 @@ def test_refetch_weights_tags_what_rebuilds_a_packed_weight():
 def test_a_joint_pass_that_breaks_the_joint_graph_is_named(monkeypatch):
     """A joint-graph pass whose graph fails ``verify_joint`` (a gradient sent home to a value
     that is not a graph input) raises StormVerificationError naming the pass."""
-    from storm_compile import pipeline
-    from storm_compile.commands import planning_context
+    from storm_compile.cli.commands import planning_context
+    from storm_compile.compiler import pipeline
 
     def misroute(joint):
         home = next(iter(joint.graph.find_nodes(op="call_function", target=ops.grad_to_host)))
@@ -961,7 +964,7 @@ def test_a_parametrization_stacked_on_a_streamed_weight_still_applies(backend):
 @pytest.fixture
 def pinning(monkeypatch):
     """``runtime.pin_quickly`` on a pretend CUDA host, recording the allocator settings set."""
-    from storm_compile import runtime
+    from storm_compile.runtime import streams as runtime
 
     settings = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -2,7 +2,7 @@
 ``Trainer``, accelerate's ``Accelerator``, Lightning and plain loops over peft models, on tiny
 models on the CPU. Each trains with the losses, gradients and checkpoints of the same run
 without storm (eager mode, unstreamed), and a streamed model stays streamed through every move
-the trainers make (``storm_compile.host_residency``).
+the trainers make (``storm_compile.weights.host_residency``).
 
 A client's tests skip where it is not installed (``pip install -e ".[test,trainers]"``)."""
 
@@ -20,10 +20,10 @@ from torch.nn.utils import parametrize
 
 from helpers import CPU_TEST_OPTIONS
 from storm_compile import storm
-from storm_compile.host_residency import HostResidentParametrizationList
-from storm_compile.models import LLAMA_PRESETS, Llama, build_llama
-from storm_compile.runtime import get_runtime
-from storm_compile.streaming import StormWriteError, stream_parameters
+from storm_compile.cli.models import LLAMA_PRESETS, Llama, build_llama
+from storm_compile.runtime.streams import get_runtime
+from storm_compile.weights.host_residency import HostResidentParametrizationList
+from storm_compile.weights.streaming import StormWriteError, stream_parameters
 
 SHAPE = LLAMA_PRESETS["tiny"]
 RESIDENT_BYTES = 4096

@@ -18,10 +18,10 @@ import torch
 import torch._inductor.config as inductor_config
 
 from benchmarks import model_zoo
-from storm_compile import ops
-from storm_compile.backend import StormBackend
+from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
-from storm_compile.graphs import StormGraphs
+from storm_compile.fx.graphs import StormGraphs
+from storm_compile.runtime import ops
 
 MODELS = model_zoo.ZOO_NAMES
 CPU_OPTIONS = {"transfer_cpu_tensors": True, "inner": "eager", "profile": "cpu-test",

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from storm_compile.models import GPTShape, build_gpt
+from storm_compile.cli.models import GPTShape, build_gpt
 
 
 def _sum_loss(out):

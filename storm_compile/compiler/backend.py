@@ -1,0 +1,356 @@
+"""The ``torch.compile`` backend: options in, compiled forward and backward out.
+
+``torch.compile(model, backend="storm")`` uses :data:`storm_backend` (default options, found
+through the ``torch_dynamo_backends`` entry point); ``storm(**options)`` builds a configured one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+import torch
+from torch import fx
+
+import storm_compile
+from storm_compile import passes
+from storm_compile.compiler.pin_transfers import inductor_patches
+from storm_compile.compiler.pipeline import storm_partition
+from storm_compile.config import StormConfig, StormOptionError
+from storm_compile.cost.calibrate import profile_for
+from storm_compile.cost.cost_model import CostModel, MeasuredCosts
+from storm_compile.fx.graphs import PassContext, StormGraphs
+from storm_compile.fx.torch_private import (
+    CustomPartitionerFn,
+    aot_autograd,
+    boxed_nop,
+    compile_fx,
+    compile_fx_inner,
+    get_hash_for_files,
+    inductor_config,
+    inductor_lowering,
+    list_mode_options,
+    select_decomp_table,
+    tree_leaves,
+)
+from storm_compile.fx.vocabulary import is_transfer
+from storm_compile.planner import plan_cache
+from storm_compile.planner.step_budget import GraphId, StepBudget
+from storm_compile.runtime import ops
+from storm_compile.runtime.ranks import rank_key
+
+log = logging.getLogger("storm_compile")
+
+SPLIT_POSITION = 2
+"""Index in a :data:`~storm_compile.planner.step_budget.GraphId` of the graph's position in its
+frame's
+compilation: above 0 only when a frame made several graphs, which DDPOptimizer does (a graph
+break resumes in a new frame)."""
+
+KEPT_WHOLE = frozenset({torch.ops.aten.embedding_dense_backward.default})
+"""Ops storm leaves out of Inductor's decomposition table, so that they run as aten's kernels,
+in a graph whose memory storm bounds (a ``memory_budget``, or weights streamed); elsewhere the
+table is Inductor's, and the graph's kernels are the ones ``torch.compile`` launches (aten's
+embedding backward sorts its indices: 20 more kernels in a 6-layer Llama's step on the H100,
++1 % of a launch-bound step).
+Inductor decomposes an embedding's backward into a scatter-add into a float32 zero table of
+the whole vocabulary, converted to the weight's dtype at the end, and its scheduler may
+allocate that table at the start of the backward: in the 8B Llama's streamed step on the H100
+a 2 GiB float32 table (128256 × 4096) was live at the backward's first kernels, taking the
+step 2.5 GiB over its predicted peak. Aten's kernel accumulates the touched rows in float32
+and allocates only the gradient, in its dtype, when it runs, which is where the simulator puts
+it."""
+
+STREAMED_READS = (ops.fetch_weight, ops.fetch_weight.overloadpacket)
+"""How a traced graph reads a streamed weight: dynamo records the parametrization's call of
+``torch.ops.storm.fetch_weight`` as the op's packet; AOTAutograd's graphs as its overload."""
+
+_SOURCE_FILES = tuple(sorted(str(p) for d in (Path(__file__).parent.parent,
+                                               Path(passes.__file__).parent)
+                             for p in d.rglob("*.py")))
+"""storm's sources, wherever the build put them: the cache key of its plans."""
+
+
+@functools.cache
+def _sources_hash() -> str:
+    return get_hash_for_files(_SOURCE_FILES).hex()
+
+
+class StormPartitioner(CustomPartitionerFn):
+    """AOTAutograd partition function: the default min-cut split, then storm's passes."""
+
+    def __init__(self, ctx: PassContext,
+                 observer: Callable[[StormGraphs], None] | None = None) -> None:
+        self.ctx = ctx
+        self.observer = observer
+        self.ledger = ""
+        """The step's ledger the next graph is planned against (:meth:`StepBudget.ledger_key`),
+        set by the backend before each compile; empty without a budget."""
+        self.record_key: str | None = None
+        """Where the next graph's :class:`~storm_compile.planner.plan_cache.PlanRecord` goes, set by
+        the
+        backend before each compile; None when the graph cannot be cached."""
+        self._uncached = f"storm-uncached-{uuid4()}"
+
+    def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs: Any):
+        """Plan and rewrite the graph; store its plan record before AOTAutograd stores the
+        compiled graphs (so a cache entry never lacks its record)."""
+        step = self.ctx.step
+        recorded = step.last
+        with warnings.catch_warnings(record=True) as raised:
+            graphs = storm_partition(joint, joint_inputs, ctx=self.ctx, observer=self.observer,
+                                     **kwargs)
+        if self.record_key is not None:
+            share = step.share(step.last) if step.last != recorded else None
+            plan_cache.store(self.record_key, plan_cache.PlanRecord(
+                share, tuple(str(w.message) for w in raised if _is_storm_warning(w))))
+        for warning in raised:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                   warning.lineno, source=warning.source)
+        return graphs
+
+    def key(self) -> str | None:
+        """What a plan depends on besides the graph: storm's version and sources, the options,
+        the device profile, the rank (in a process group each rank plans, and checks with the
+        others, :mod:`storm_compile.runtime.ranks`, every graph itself) and the step's ledger. None
+        with an observer or a cost override, whose effects no key can capture."""
+        if self.observer is not None or self.ctx.cost.override is not None:
+            return None
+        return repr((storm_compile.__version__, _sources_hash(), self.ctx.config,
+                     self.ctx.cost.profile, rank_key(), self.ledger))
+
+    def uuid(self) -> Any:
+        """AOTAutograd's and Inductor's cache key of the partitioner: :meth:`key`, or None
+        (no cache entry is reused)."""
+        return self.key()
+
+    def __reduce__(self):
+        """Torch's caches pickle the Inductor config, which holds this partitioner: it pickles
+        as its :meth:`uuid`, or, when it has none, as a key of its own that no other process
+        shares (AOTAutograd's cache then misses instead of reusing another plan)."""
+        key = self.uuid()
+        return str, (self._uncached if key is None else f"storm-{key}",)
+
+
+class StormCacheError(RuntimeError):
+    """torch's cache holds a compiled graph of storm's without the plan record beside it."""
+
+
+def _is_storm_warning(warning: warnings.WarningMessage) -> bool:
+    return issubclass(warning.category, RuntimeWarning) and str(warning.message).startswith(
+        "storm:")
+
+
+def _needs_backward(example_inputs: list[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+class StormBackend:
+    """A configured storm backend; call it as ``torch.compile`` calls backends.
+
+    ``observer`` receives the rewritten graphs of every compiled region (the CLI and tests use
+    it); ``cost_override(node)`` may return measured seconds for a node, or None for the model.
+    """
+
+    def __init__(self, config: StormConfig,
+                 observer: Callable[[StormGraphs], None] | None = None,
+                 cost_override: Callable[[fx.Node], float | None] | None = None) -> None:
+        self.config = config
+        self.observer = observer
+        self.cost_override = cost_override
+        profile = profile_for(config.profile)
+        if config.cost == "measured":
+            if not torch.cuda.is_available():
+                raise StormOptionError("storm option 'cost': 'measured' times ops on a CUDA "
+                                       "device, and none is available")
+            cost_override = cost_override or MeasuredCosts()
+        self.ctx = PassContext(config, CostModel(profile, cost_override))
+        self.partitioner = StormPartitioner(self.ctx, observer)
+        self._warned_split = False
+        self._variants: dict[tuple, StormBackend] = {}
+
+    def __repr__(self) -> str:
+        return f"StormBackend({self.config})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any],
+                 mode: str | None = None, options: dict[str, Any] | None = None):
+        """Compile ``gm``. ``mode`` and ``options`` are ``torch.compile``'s: they override this
+        backend's ``mode`` and options (:meth:`variant`)."""
+        if mode is not None or options:
+            return self.variant(mode, options)(gm, example_inputs)
+        if not _needs_backward(example_inputs):
+            log.debug("storm: inference graph (grad mode off or no input requires grad): "
+                      "nothing is saved for a backward; compiling unchanged")
+        step = self.ctx.step
+        graph, recorded = step.peek_graph(), step.last
+        self._prepare(gm, example_inputs, graph)
+        compiled = self._compile(gm, example_inputs)
+        if step.last == recorded and self.partitioner.record_key is not None:
+            self._replay(self.partitioner.record_key)
+        budget = self.config.memory_budget
+        if step.last == recorded:
+            return compiled
+        if budget is not None and step.last[SPLIT_POSITION] > 0:
+            self._warn_split()
+        if not isinstance(budget, int):
+            return compiled
+        return _counting_runs(compiled, step, step.last, budget)
+
+    def variant(self, mode: str | None, options: dict[str, Any] | None) -> StormBackend:
+        """This backend with ``mode`` and ``options`` over its own, validated as ``storm(...)``
+        validates them; made once per distinct pair, so all graphs of a compile share one
+        step ledger."""
+        key = (mode, tuple(sorted((options or {}).items())))
+        if key not in self._variants:
+            fields = {**dataclasses.asdict(self.config), **(options or {}),
+                      **({} if mode is None else {"mode": mode})}
+            self._variants[key] = StormBackend(StormConfig.from_options(**fields),
+                                               self.observer, self.cost_override)
+        return self._variants[key]
+
+    def _prepare(self, gm: fx.GraphModule, example_inputs: list[Any], graph: GraphId) -> None:
+        """Give the partitioner ``graph``'s cache key (the ledger it is planned against) and
+        the key of its plan record (None when it cannot be cached or plans nothing)."""
+        budgeted = self.config.memory_budget is not None
+        self.partitioner.ledger = self.ctx.step.ledger_key(graph) if budgeted else ""
+        key = self.partitioner.key()
+        cached = key is not None and self.config.inner != "eager" \
+            and _needs_backward(example_inputs)
+        self.partitioner.record_key = (plan_cache.record_key(key, gm, example_inputs)
+                                       if cached else None)
+
+    def _replay(self, record_key: str) -> None:
+        """AOTAutograd's cache served the graph without planning it: record its share of the
+        step's budget and raise its planning's warnings, as planning did."""
+        record = plan_cache.load(record_key)
+        if record is None:
+            raise StormCacheError(
+                f"storm: AOTAutograd's cache served a graph whose plan record "
+                f"{plan_cache.record_dir() / record_key}.json is missing or unreadable; remove "
+                f"the Inductor cache directory ({plan_cache.record_dir().parent}) or set "
+                f"TORCHINDUCTOR_CACHE_DIR to a new one")
+        if record.share is not None:
+            self.ctx.step.record(self.ctx.step.next_graph(), record.share)
+        for message in record.warnings:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        if self.config.inner == "eager":
+            return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+                                partition_fn=self.partitioner,
+                                keep_inference_input_mutations=True)(gm, example_inputs)
+        return compile_fx(gm, example_inputs, inner_compile=_compile_graph,
+                          config_patches={"custom_partitioner_fn": self.partitioner,
+                                          **list_mode_options(self.config.mode)},
+                          decompositions=_decompositions() if self._bounds_memory(gm)
+                          else None)
+
+    def _bounds_memory(self, gm: fx.GraphModule) -> bool:
+        """Whether storm bounds ``gm``'s device memory: a budget, or weights it streams."""
+        return self.config.memory_budget is not None or any(
+            node.target in STREAMED_READS for node in gm.graph.nodes)
+
+    def _warn_split(self) -> None:
+        """Once: a frame made several graphs, so DDPOptimizer split it by gradient bucket, and
+        a budget is met mostly by recomputation there (a piece's offloads must finish within
+        the piece's own forward)."""
+        if self._warned_split:
+            return
+        self._warned_split = True
+        warnings.warn(
+            "storm: dynamo split this model into one graph per DDP gradient bucket "
+            "(torch._dynamo.config.optimize_ddp); a graph's offloads must finish within its own "
+            "forward, so the memory budget is met mostly by recomputation. For one graph, set "
+            "torch._dynamo.config.optimize_ddp = 'python_reducer' and "
+            "torch._dynamo.config.compiled_autograd = True (docs/distributed.md)",
+            RuntimeWarning, stacklevel=2)
+
+
+def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int
+                   ) -> Callable:
+    """``compiled``, telling ``step`` of each run that autograd will take a backward through
+    (:meth:`StepBudget.ran`: a byte budget is the step's, however many times the graph runs in
+    it), and releasing the run when its backward starts or its autograd graph is freed
+    unused."""
+
+    def run(*args: Any) -> Any:
+        outputs = compiled(*args)
+        if not torch.is_grad_enabled():
+            return outputs
+        node = next((t.grad_fn for t in tree_leaves(outputs)
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+        if node is not None:
+            release = step.ran(graph, budget)
+            node.register_prehook(lambda grad_outputs: release())
+            weakref.finalize(node, release)
+        return outputs
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True
+    return run
+
+
+class _Decompositions(dict):
+    """Inductor's decomposition table less :data:`KEPT_WHOLE`. torch's cache keys pickle it;
+    its entries include C++ functions, which have no stable pickle, so it pickles as the call
+    that makes it (the call's effect is covered by the key's torch version and storm's
+    sources)."""
+
+    def __reduce__(self):
+        return _decompositions, ()
+
+
+def _decompositions() -> _Decompositions:
+    """Inductor's decomposition table (as its config selects it now) without
+    :data:`KEPT_WHOLE`, whose ops get Inductor's fallback lowering (aten's kernel, contiguous
+    inputs, as Inductor gives a backward's implicit fallbacks). Registered here rather than left
+    to Inductor's implicit fallback, which torch 2.11 refuses for an op its default table
+    decomposes; a graph compiled without storm still decomposes them before lowering."""
+    for op in KEPT_WHOLE - inductor_lowering.lowerings.keys():
+        inductor_lowering.make_fallback(op, inductor_lowering.require_contiguous, warn=False,
+                                        override_decomp=True)
+    return _Decompositions((op, fn) for op, fn in select_decomp_table().items()
+                           if op not in KEPT_WHOLE)
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):
+    """Inductor's compile of one forward or backward graph, as ``torch.compile`` does it; in a
+    graph with storm's transfers, Inductor's peak-memory reordering is followed by
+    :func:`~storm_compile.compiler.pin_transfers.pin_transfers`, which puts the copies back where
+    storm placed them. Inductor's FX graph cache keys it on the graph and on the Inductor
+    config, which holds storm's partitioner: its key covers storm's sources."""
+    moves = any(is_transfer(n) for n in gm.graph.nodes)
+    if moves and inductor_config.triton.cudagraphs:
+        raise StormOptionError(
+            "storm: CUDA graphs (mode='reduce-overhead' or 'max-autotune') cannot replay "
+            "storm's copies, whose pinned host buffers are taken from a pool at each step; use "
+            "mode='max-autotune-no-cudagraphs' or the default mode")
+    with inductor_config.patch(inductor_patches() if moves else {}):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def storm(**options: Any) -> StormBackend:
+    """A storm backend with the given options (see :class:`StormConfig`).
+
+    Raises ``ValueError`` naming a bad option and what it allows."""
+    return StormBackend(StormConfig.from_options(**options))
+
+
+def storm_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                  options: dict[str, Any] | None = None):
+    """The backend registered as ``"storm"``: storm with default options, or with
+    ``torch.compile``'s ``mode`` and ``options`` (exactly ``storm(mode=mode, **options)``)."""
+    return _default_backend()(gm, example_inputs, mode=mode, options=options)
+
+
+@functools.cache
+def _default_backend() -> StormBackend:
+    return storm()

@@ -1,0 +1,478 @@
+"""The storm pipeline, in the order it runs: capture → joint-graph passes → split → annotate
+costs → plan → insert transfers → verify (after every pass) → agree across ranks → compile.
+
+Capture and compile belong to AOTAutograd and the inner compiler; storm's part sits between
+them, in :func:`storm_partition`, which AOTAutograd calls with the joint graph. For a streamed
+graph under a byte budget, :func:`plan_within_budget` searches among plans; it plans against
+``PassContext.limits`` and never rewrites the user's options.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Callable
+
+from torch import fx
+
+from storm_compile.config import StormConfig
+from storm_compile.cost.simulate import device_bytes, host_inputs, simulate
+from storm_compile.fx.graphs import (
+    JointGraph,
+    PassContext,
+    PassRecord,
+    StormGraphs,
+    copy_decided,
+    lazy_module,
+)
+from storm_compile.fx.plan import Action, ResidentWeight
+from storm_compile.fx.prediction import NodeTiming, Prediction
+from storm_compile.fx.vocabulary import GIB, RECOMPUTE_TAG, tensor_bytes
+from storm_compile.passes import (
+    annotate_costs,
+    insert_transfers,
+    place_transfers,
+    plan_memory,
+    plan_offload,
+    plan_weights,
+    refetch_weights,
+    rematerialize,
+    sum_tied_gradients,
+    verify_graphs,
+    verify_joint,
+)
+from storm_compile.passes.rematerialize import RecomputeRejectedError
+from storm_compile.passes.verify import StormVerificationError
+from storm_compile.planner.step_budget import GraphShare, StormBudgetError
+from storm_compile.runtime.ranks import check_ranks_agree
+from storm_compile.weights.streaming import device_weights
+
+log = logging.getLogger("storm_compile")
+
+Pass = Callable[[StormGraphs, PassContext], StormGraphs]
+JointPass = Callable[[fx.GraphModule], fx.GraphModule]
+
+JOINT: tuple[JointPass, ...] = (
+    refetch_weights,     # streamed weights fetched again in the backward, never saved
+    sum_tied_gradients,  # a tied weight's gradients summed on the device, sent home once
+)
+
+PLAN: tuple[Pass, ...] = (
+    annotate_costs,      # bytes and predicted compute time of every node
+    plan_offload,        # which saved storages may leave the device
+    plan_memory,         # keep, offload or recompute each of them (decisions only)
+)
+
+
+def _size(graphs: StormGraphs) -> tuple[int, int]:
+    return len(graphs.forward.graph.nodes), len(graphs.backward.graph.nodes)
+
+
+def _plan_summary(graphs: StormGraphs) -> str:
+    if graphs.storages is None:
+        return ""
+    actions = collections.Counter(d.action.value for _, d in graphs.storages)
+    placed = sum(d.placement is not None for _, d in graphs.storages)
+    counts = [f"{action} {count}" for action, count in sorted(actions.items())]
+    return ", ".join(counts + ([f"placed {placed}"] if placed else []))
+
+
+def _changes(before: StormGraphs, after: StormGraphs, sizes: tuple[int, int]) -> str:
+    """What a pass changed, in a few words: a new split, nodes added to either graph, the
+    storage plan's decisions."""
+    if after.forward is not before.forward:
+        return "split again"
+    changes = [f"{graph} {now - then:+d} nodes"
+               for graph, then, now in zip(("forward", "backward"), sizes, _size(after))
+               if now != then]
+    plan = _plan_summary(after)
+    if plan != _plan_summary(before):
+        changes.append(f"plan: {plan}")
+    return "; ".join(changes)
+
+
+def _verified(name: str, verify: Callable[[], None]) -> None:
+    try:
+        verify()
+    except Exception as error:
+        raise StormVerificationError(f"storm pass {name!r} left invalid graphs: {error}") \
+            from error
+
+
+def _code(ctx: PassContext, **modules: fx.GraphModule) -> tuple[tuple[str, str], ...]:
+    """The code of ``modules`` by graph name when ``ctx.stages`` asks for it, else nothing."""
+    return tuple((name, gm.code) for name, gm in modules.items()) if ctx.stages else ()
+
+
+def _run(storm_pass: Pass, graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Run one pass, verify the graphs it leaves (a failure names the pass) and append its
+    :class:`PassRecord` to them."""
+    start, sizes = time.perf_counter(), _size(graphs)
+    after = storm_pass(graphs, ctx)
+    seconds = time.perf_counter() - start
+    log.debug("storm: pass %s took %.3f s", storm_pass.__name__, seconds)
+    _verified(storm_pass.__name__, lambda: verify_graphs(after))
+    record = PassRecord(storm_pass.__name__, seconds, _changes(graphs, after, sizes),
+                        _code(ctx, forward=after.forward, backward=after.backward))
+    return dataclasses.replace(after, records=(*graphs.records, record))
+
+
+def _tagged(joint: fx.GraphModule) -> int:
+    return sum(RECOMPUTE_TAG in n.meta for n in joint.graph.nodes)
+
+
+def _names(joint: fx.GraphModule) -> set[str]:
+    return {n.name for n in joint.graph.nodes}
+
+
+def run_joint_passes(joint: fx.GraphModule, ctx: PassContext
+                     ) -> tuple[fx.GraphModule, tuple[PassRecord, ...]]:
+    """Run :data:`JOINT` on AOTAutograd's joint graph, in place, each verified
+    (``verify_joint``; a failure names the pass): the graph and a :class:`PassRecord` per pass,
+    after one for the graph as captured (``capture``, with its code under ``ctx.stages``)."""
+    records = [PassRecord("capture", 0.0, "as AOTAutograd traced it", _code(ctx, joint=joint))]
+    for joint_pass in JOINT:
+        start, names, tagged = time.perf_counter(), _names(joint), _tagged(joint)
+        joint = joint_pass(joint)
+        seconds = time.perf_counter() - start
+        _verified(joint_pass.__name__, lambda: verify_joint(joint))
+        added, removed = len(_names(joint) - names), len(names - _names(joint))
+        changes = ([f"joint +{added} -{removed} nodes"] if added or removed else []) + (
+            [f"{_tagged(joint) - tagged:+d} recompute tags"] if _tagged(joint) != tagged else [])
+        records.append(PassRecord(joint_pass.__name__, seconds, "; ".join(changes),
+                                  _code(ctx, joint=joint)))
+    return joint, tuple(records)
+
+
+def run_passes(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Plan, realise recomputation, plan the new split's offloads, choose the resident weights,
+    place and insert transfers."""
+    return plan_transfers(plan_storages(graphs, ctx), ctx)
+
+
+def plan_storages(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Plan, realise recomputation, plan the new split's offloads: every saved storage decided
+    and recorded in the step's ledger, the graphs not rewritten. What it decides depends on
+    the graphs, ``ctx.config`` and ``ctx.limits``, ``ctx.cost`` and the ledger's other graphs,
+    never on ``ctx.resident_room``."""
+    first_split = graphs.plan is None
+    for storm_pass in PLAN:
+        graphs = _run(storm_pass, graphs, ctx)
+    if first_split and graphs.plan.recompute:
+        try:
+            graphs = _run(rematerialize, graphs, ctx)    # split again with recompute tags
+        except RecomputeRejectedError as error:
+            warnings.warn(f"storm: the partitioner could not recompute what storm planned "
+                          f"({error}); this graph uses storm's best plan without "
+                          f"recomputation instead", RuntimeWarning, stacklevel=3)
+            ctx = dataclasses.replace(
+                ctx, limits=dataclasses.replace(ctx.limits, recompute=False))
+            graphs = dataclasses.replace(graphs, plan=None)
+        for storm_pass in PLAN:                      # offloads of the new split, same target
+            graphs = _run(storm_pass, graphs, ctx)
+    return graphs
+
+
+def plan_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Choose the resident weights, place and insert transfers, on graphs whose storages
+    :func:`plan_storages` decided; the graphs are rewritten in place."""
+    graphs = _run(plan_weights, graphs, ctx)         # streamed weights kept on the device
+    return place_and_insert(graphs, ctx)
+
+
+def place_and_insert(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """Place and insert transfers, on graphs whose storages :func:`plan_storages` decided and
+    whose resident weights ``plan_weights`` chose; the graphs are rewritten in place."""
+    graphs = _run(place_transfers, graphs, ctx)      # where each copy and wait goes
+    graphs = _run(insert_transfers, graphs, ctx)     # rewrite both graphs from the decisions
+    if not graphs.storages.with_action(Action.OFFLOAD) and not graphs.plan.recompute:
+        reasons = sorted({d.reason for _, d in graphs.storages})
+        log.debug("storm: nothing to offload or recompute (%s); graphs run unchanged",
+                  "; ".join(reasons) or "nothing is saved for the backward")
+    return graphs
+
+
+PEAK_ROUNDS = 5
+"""Plans a streamed graph gets after its first when its predicted device peak is over a byte
+``memory_budget``, in each of the two ways :func:`plan_within_budget` tries. The backward's peak
+above the saved activations moves with the plan (what is recomputed, how much is prefetched
+ahead), so round ``k`` aims the activations at the last plan's less its excess over the budget
+times ``2**k`` (never below their minimum), and lowers ``prefetch_window_bytes`` to at most what
+the last peak held besides activations, less that excess (one way) or less only the part of it
+the activations could not take (the other: the window hides the weights' copies), and halves it
+once the activations are at their minimum. Each round plans the graph once more: only a graph
+over its budget pays for them."""
+
+RESIDENT_ROUNDS = 3
+"""Plans a streamed graph gets to keep weights on the device with the room its fitting plan
+left under a byte budget: a weight kept there is also cloned while it is read, and stops being
+prefetched, so the first try can land over the budget; each next try has the room less that
+excess times ``2**k``, and after the last the plan without resident weights stands."""
+
+
+def _recompute_tags(joint: JointGraph) -> dict[str, object]:
+    """The joint graph's recompute tags by node name (the partitioner may rebuild the graph's
+    nodes, keeping their names)."""
+    return {n.name: n.meta[RECOMPUTE_TAG] for n in joint.module.graph.nodes
+            if RECOMPUTE_TAG in n.meta}
+
+
+def _retag(joint: JointGraph, tags: dict[str, object]) -> None:
+    """Put the joint graph's recompute tags back to ``tags``."""
+    for node in joint.module.graph.nodes:
+        if node.name in tags:
+            node.meta[RECOMPUTE_TAG] = tags[node.name]
+        else:
+            node.meta.pop(RECOMPUTE_TAG, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decided:
+    """A plan's storage decisions (:func:`plan_storages`) on graphs no pass has rewritten, and
+    the ledger share that planning recorded: plans that differ only in
+    ``PassContext.resident_room`` decide the same, so each is placed and rewritten from a copy
+    of one (:func:`_transfers`) instead of being planned again from a fresh split."""
+
+    graphs: StormGraphs
+    share: GraphShare
+
+
+def _decide(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext) -> _Decided:
+    """:func:`plan_storages` on a fresh split of ``graphs``' joint graph, with its capture's
+    recompute ``tags``."""
+    _retag(graphs.joint, tags)
+    forward, backward = graphs.joint.split()
+    decided = plan_storages(StormGraphs(forward, backward, graphs.num_fwd_outputs,
+                                        joint=graphs.joint, records=graphs.records), ctx)
+    return _Decided(decided, ctx.step.share(ctx.graph))
+
+
+def _weighed(decided: _Decided, ctx: PassContext) -> StormGraphs:
+    """``plan_weights`` on ``decided``'s graphs (which it does not rewrite), with the step's
+    ledger holding the share their planning recorded, as :func:`plan_storages` leaves it."""
+    ctx.step.record(ctx.graph, decided.share)
+    return _run(plan_weights, decided.graphs, ctx)
+
+
+def _transfers(decided: _Decided, ctx: PassContext) -> StormGraphs:
+    """:func:`plan_transfers` from ``decided``, on a copy of its graphs: the plan
+    :func:`run_passes` makes from the same split with ``ctx``, ``decided`` left unchanged."""
+    return place_and_insert(copy_decided(_weighed(decided, ctx)), ctx)
+
+
+def _peak(graphs: StormGraphs, ctx: PassContext) -> tuple[int, Prediction]:
+    prediction = simulate(graphs, ctx.cost)
+    return device_bytes(graphs, prediction), prediction
+
+
+def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """:func:`run_passes`; then, for a graph that streams weights under a byte
+    ``memory_budget``, which bounds the device's weights and activations at the step's peak:
+
+    1. while the predicted device peak (:func:`~storm_compile.cost.simulate.device_bytes`) is over
+       the budget, plan again from a fresh split with fewer activations and a smaller prefetch
+       window, at most :data:`PEAK_ROUNDS` times (:func:`_fit_peak`), once with the window
+       spared while the activations can take the excess and once with both lowered; keep the
+       fitting plan with the faster predicted step; raise :class:`StormBudgetError` stating the
+       least peak seen and where it is when neither fits;
+    2. plan again with the room the fitting plan left (``PassContext.resident_room``) for
+       ``plan_weights`` to keep weights on the device (:func:`_with_residents`), and, unless
+       that kept every streamed weight, once more from a plan whose activation target is lower
+       by up to the streamed weights' bytes (activations traded for weights kept): of the
+       fitting plan and those whose peak fits, the one with the fastest predicted step.
+
+    The step's ledger keeps the returned plan's share."""
+    tags, asked = _recompute_tags(graphs.joint), ctx.config
+    budget = asked.memory_budget
+    weights = device_weights(graphs.forward, asked.prefetch_window_bytes)
+    decided = plan_storages(graphs, ctx)
+    if not isinstance(budget, int) or weights is None or decided.plan.target_bytes is None:
+        return plan_transfers(decided, ctx)
+    first = _Decided(decided, ctx.step.share(ctx.graph))
+    planned = _transfers(first, ctx)
+    peak, prediction = _peak(planned, ctx)
+    if peak > budget:
+        fits, least = [], _peak_at(peak, prediction)
+        for spare_window in (True, False):
+            fit = _fit_peak(graphs, tags, ctx, planned, prediction, spare_window)
+            if isinstance(fit, _Fit):
+                fits.append(fit)
+            else:
+                least = min(least, fit, key=lambda seen: seen.nbytes)
+        if not fits:
+            raise _over_budget(budget, least, asked)
+        fastest = min(fits, key=lambda fit: fit.prediction.step_s)
+        planned, prediction, ctx, peak, first = (fastest.graphs, fastest.prediction,
+                                                 fastest.ctx, fastest.peak, fastest.decided)
+        ctx.step.record(ctx.graph, fastest.share)
+    best = _Candidate(prediction.step_s, planned, ctx.step.share(ctx.graph))
+    kept = _with_residents(first, ctx, budget, planned, budget - peak)
+    if kept is not None:
+        best = min(best, kept, key=lambda plan: plan.step_s)
+    streamed = sum(tensor_bytes(w.meta.get("val")) for w in host_inputs(planned))
+    freed = min(streamed, planned.plan.target_bytes - planned.plan.minimum_bytes)
+    if freed > 0 and (kept is None
+                      or sum(w.nbytes for w in kept.graphs.storages.resident) < streamed):
+        fewer = dataclasses.replace(ctx, limits=dataclasses.replace(
+            ctx.limits, memory_budget=ctx.memory_budget - freed))
+        kept = _traded(graphs, tags, fewer, budget)
+        if kept is not None:
+            best = min(best, kept, key=lambda plan: plan.step_s)
+    ctx.step.record(ctx.graph, best.share)
+    return best.graphs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fit:
+    """A plan whose predicted device peak fits the byte budget, and what it was planned with."""
+
+    graphs: StormGraphs
+    prediction: Prediction
+    ctx: PassContext
+    peak: int
+    share: GraphShare
+    decided: _Decided
+    """Its storage decisions, before the graphs were rewritten."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    """A plan the search may return: its predicted step, its rewritten graphs and the ledger
+    share its planning recorded."""
+
+    step_s: float
+    graphs: StormGraphs
+    share: GraphShare
+
+
+@dataclasses.dataclass(frozen=True)
+class _PeakAt:
+    """A plan's predicted device peak and the node where it is."""
+
+    nbytes: int
+    at: NodeTiming
+
+
+def _peak_at(peak: int, prediction: Prediction) -> _PeakAt:
+    return _PeakAt(peak, max(prediction.timings, key=lambda t: t.memory_after))
+
+
+def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
+              planned: StormGraphs, prediction: Prediction, spare_window: bool
+              ) -> _Fit | _PeakAt:
+    """Plan ``graphs`` again from a fresh split while the predicted device peak stays over the
+    byte budget, starting from ``planned`` (over it, predicted as ``prediction``), at most
+    :data:`PEAK_ROUNDS` times: the first fitting plan, or the least peak seen and the node
+    where it is. Round ``k`` takes the excess times ``2**k`` from the activations (never below
+    their minimum) and from ``prefetch_window_bytes``: with ``spare_window`` only the part the
+    activations could not take."""
+    budget, window = ctx.memory_budget, ctx.prefetch_window_bytes
+    weights = device_weights(graphs.forward, window)
+    peak = device_bytes(planned, prediction)
+    lowered, least = budget, _peak_at(peak, prediction)
+    for round_ in range(PEAK_ROUNDS):
+        excess = (peak - budget) * 2**round_
+        target = max(planned.plan.minimum_bytes, prediction.activation_bytes - excess)
+        taken = excess - (prediction.activation_bytes - target) if spare_window else excess
+        window = max(0, min(window, peak - prediction.activation_bytes) - taken)
+        if target == prediction.activation_bytes:
+            window //= 2
+        now = device_weights(graphs.forward, window)
+        lowered -= planned.plan.target_bytes - target + weights.nbytes - now.nbytes
+        weights = now
+        ctx = dataclasses.replace(ctx, limits=dataclasses.replace(
+            ctx.limits, memory_budget=lowered, prefetch_window_bytes=window))
+        try:
+            decided = _decide(graphs, tags, ctx)
+        except StormBudgetError:
+            return least
+        planned = _transfers(decided, ctx)
+        peak, prediction = _peak(planned, ctx)
+        if peak <= budget:
+            return _Fit(planned, prediction, ctx, peak, ctx.step.share(ctx.graph), decided)
+        least = min(least, _peak_at(peak, prediction), key=lambda seen: seen.nbytes)
+    return least
+
+
+def _traded(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext, budget: int
+            ) -> _Candidate | None:
+    """The graph planned with ``ctx``'s lower activation target, then with the room that plan
+    leaves for weights kept on the device (:func:`_with_residents`); None when the step's
+    ledger refuses the lower target, its peak does not fit ``budget`` or no weight is kept."""
+    try:
+        decided = _decide(graphs, tags, ctx)
+    except StormBudgetError:
+        return None
+    traded = _transfers(decided, ctx)
+    peak, _ = _peak(traded, ctx)
+    if peak > budget:
+        return None
+    return _with_residents(decided, ctx, budget, traded, budget - peak)
+
+
+def _with_residents(decided: _Decided, ctx: PassContext, budget: int, fitting: StormGraphs,
+                    room: int) -> _Candidate | None:
+    """The graph planned again with ``room`` for weights kept on the device
+    (``PassContext.resident_room``) above ``fitting``, a plan whose peak fits the budget, made
+    with ``ctx`` from ``decided``: the first of :data:`RESIDENT_ROUNDS` tries whose peak fits
+    ``budget`` too, with its predicted step and ledger share; None when no weight fits or no
+    try does. Each try decides what ``fitting`` decided, so it starts from ``decided``; a try
+    that keeps the same weights as an earlier one is that plan again, whose peak is known."""
+    smallest = min(tensor_bytes(w.meta.get("val")) for w in host_inputs(fitting))
+    peaks: dict[tuple[ResidentWeight, ...], int] = {}
+    for round_ in range(RESIDENT_ROUNDS if room >= smallest else 0):
+        with_room = dataclasses.replace(ctx, resident_room=room)
+        weighed = _weighed(decided, with_room)
+        resident = weighed.storages.resident
+        if not resident:
+            return None
+        if resident not in peaks:
+            kept = place_and_insert(copy_decided(weighed), with_room)
+            peak, prediction = _peak(kept, ctx)
+            if peak <= budget:
+                return _Candidate(prediction.step_s, kept, ctx.step.share(ctx.graph))
+            peaks[resident] = peak
+        room -= (peaks[resident] - budget) * 2**round_
+    return None
+
+
+def _over_budget(budget: int, least: _PeakAt, asked: StormConfig) -> StormBudgetError:
+    peak, at = least.nbytes, least.at
+    return StormBudgetError(
+        f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the device memory "
+        f"this streamed graph needs at its peak: of the plans storm tried, with up to every "
+        f"activation that may move offloaded or recomputed, the least predicted peak is {peak} "
+        f"bytes ({peak / GIB:.3f} GiB), at {at.node} of the "
+        f"{'backward' if at.graph == 'bw' else 'forward'}. Raise memory_budget, lower "
+        f"prefetch_window_bytes ({asked.prefetch_window_bytes} bytes of streamed weights "
+        f"may be copied ahead), or use fewer tokens per micro-batch")
+
+
+def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
+                    observer: Callable[[StormGraphs], None] | None = None,
+                    **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
+    ctx = dataclasses.replace(ctx, graph=ctx.step.next_graph())
+    # 1. capture: AOTAutograd traced the joint graph; the joint-graph passes fetch streamed
+    #    weights again in the backward instead of saving them and sum a tied weight's
+    #    gradients on the device; then split it the way torch.compile does.
+    joint, records = run_joint_passes(lazy_module(joint), ctx)
+    joint_graph = JointGraph(joint, joint_inputs, partition_kwargs)
+    start = time.perf_counter()
+    forward, backward = joint_graph.split()
+    split = PassRecord("split", time.perf_counter() - start, "split",
+                       _code(ctx, forward=forward, backward=backward))
+    log.debug("storm: pass split took %.3f s", split.seconds)
+    graphs = StormGraphs(forward, backward, partition_kwargs["num_fwd_outputs"], joint=joint_graph,
+                         records=(*records, split))
+    # 2-5. annotate costs, plan, (re-split to recompute), place, insert transfers; verified;
+    #      a streamed graph planned again while its predicted peak is over a byte budget.
+    graphs = plan_within_budget(graphs, ctx)
+    # 6. agree: every rank of a process group made this same plan.
+    check_ranks_agree(graphs)
+    if observer is not None:
+        observer(graphs)
+    # 7. compile: AOTAutograd hands both graphs to the inner compiler.
+    return graphs.forward, graphs.backward

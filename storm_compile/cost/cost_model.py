@@ -1,0 +1,317 @@
+"""How long a node computes and a tensor takes to cross the link, from a device profile.
+
+Compute time is a roofline: the larger of FLOPs over the dtype's peak rate, bytes moved over
+memory bandwidth, and a launch floor. Bytes moved follow Inductor's fusion: a chain of pointwise
+ops and reductions reads its inputs once and writes only what leaves the chain, and pays one
+launch. FLOPs come from
+``torch.utils.flop_counter``'s formulas. Transfer time is a fixed latency plus bytes over the
+direction's bandwidth; when both directions run at once they share ``duplex_bandwidth``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import fx
+from torch.utils.flop_counter import flop_registry
+
+from storm_compile.cost.profiles import DeviceProfile
+from storm_compile.fx.torch_private import OpOverload, unset_fake_temporarily
+from storm_compile.fx.vocabulary import (
+    MS,
+    Lane,
+    hint,
+    hint_shape,
+    is_compute,
+    is_view,
+    leaves,
+    storage_owner,
+    tensor_bytes,
+)
+from storm_compile.runtime import ops
+
+aten = torch.ops.aten
+log = logging.getLogger("storm_compile")
+
+FLOP_ALIASES = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        aten._scaled_dot_product_flash_attention_backward,
+}
+"""Ops priced with another op's FLOP formula: the CPU flash-attention kernels do the same work
+as the CUDA ones, so a schedule traced on a CPU is priced as it would run on the GPU."""
+
+CAUSAL_WORK_FRACTION = 0.5
+"""Share of the full attention FLOPs a causal flash-attention kernel does: it skips the blocks
+above the diagonal."""
+
+ATTENTION_OPS = frozenset({
+    aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_cudnn_attention_backward,
+})
+ATTENTION_EFFICIENCY = 0.6
+"""Fraction of the dense-matmul rate fused attention kernels reach. Measured on the gpt stack
+(d2048, T2048, bf16, H200 trace): 4.2 ms of flash-attention kernels where the matmul rate
+predicts 2.6 ms, i.e. 0.61."""
+
+HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+
+FUSIBLE_REDUCTIONS = frozenset({
+    aten.sum.default, aten.sum.dim_IntList, aten.mean.dim, aten.mean.default, aten.amax.default,
+    aten.amin.default, aten.var_mean.correction, aten.prod.dim_int,
+})
+"""Reductions Inductor fuses with the pointwise ops around them."""
+FUSIBLE_CASTS = frozenset({aten._to_copy.default})
+FUSIBLE_DECOMPOSED = frozenset({
+    aten._softmax.default, aten._softmax_backward_data.default, aten._log_softmax.default,
+    aten._log_softmax_backward_data.default, aten.nll_loss_forward.default,
+    aten.nll_loss_backward.default,
+})
+"""Ops Inductor decomposes into pointwise ops, gathers and reductions (its decomposition
+table), which it fuses like them: a cross-entropy over a large vocabulary writes the logits'
+gradient in the logits' dtype, never the float32 log-probabilities or a float32 gradient."""
+FUSIBLE_GATHERS = frozenset({aten.index.Tensor})
+"""Gathers Inductor lowers to an indirect load inside a pointwise kernel: rebuilding an nf4
+weight (a code book indexed by its 4-bit codes, scaled, cast) compiles to a kernel splitting
+the bytes into codes and one gathering, scaling and casting them, which writes only the
+rebuilt weight, never the int64 codes or the float32 values of the code book (12 bytes per
+element, 4.4 GiB at a 3B model's embedding)."""
+
+
+def is_fusible(node: fx.Node) -> bool:
+    """Whether Inductor folds ``node`` into a neighbouring kernel: pointwise ops, dtype casts
+    and simple reductions. Chains of them run as one kernel that reads the chain's inputs once
+    and writes only what leaves the chain."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, OpOverload):
+        return False
+    return _fusible_op(target)
+
+
+@functools.cache
+def _fusible_op(target: OpOverload) -> bool:
+    """:func:`is_fusible` of a call of ``target``: asked for every node by each cost query and
+    simulation, and fixed per op (its tags never change), so answered once per op."""
+    return (torch.Tag.pointwise in target.tags or target in FUSIBLE_REDUCTIONS
+            or target in FUSIBLE_CASTS or target in FUSIBLE_DECOMPOSED
+            or target in FUSIBLE_GATHERS)
+
+
+def materialized(node: fx.Node) -> bool:
+    """Whether ``node``'s output is written to device memory (False inside a fused chain).
+    Views of it are seen through: Inductor indexes into a fused value as into a buffer."""
+    if not is_fusible(node):
+        return True
+    frontier = [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if is_view(user) and user.args and user.args[0] is current:
+                frontier.append(user)
+            elif user.op == "output" or not is_fusible(user):
+                return True
+    return False
+
+
+def _value(arg):
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _is_causal(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    for index, argument in enumerate(schema.arguments if schema else ()):
+        if argument.name == "is_causal":
+            value = node.kwargs.get("is_causal", node.args[index] if index < len(node.args)
+                                    else argument.default_value)
+            return bool(value)
+    return False
+
+
+HEAD_DIM = 1
+"""The heads dimension of an attention op's 4-D (batch, heads, tokens, head size) tensors."""
+
+
+def _ungrouped(args: list) -> list:
+    """An attention op's tensor arguments with grouped key/value heads (grouped-query attention:
+    fewer key/value heads than query heads) repeated to the query's, as meta tensors: the work
+    each query head does is the same, and torch 2.11's formulas reject unequal heads."""
+    heads = max((a.shape[HEAD_DIM] for a in args
+                 if isinstance(a, torch.Tensor) and a.dim() == 4), default=0)
+    return [torch.empty((*a.shape[:HEAD_DIM], heads, *a.shape[HEAD_DIM + 1:]), dtype=a.dtype,
+                        device="meta")
+            if isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[HEAD_DIM] != heads else a
+            for a in args]
+
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of ``node`` by torch's flop-counter formulas (0 for ops without one)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    packet = FLOP_ALIASES.get(packet, packet)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0
+    args = [_value(a) for a in node.args]
+    if packet in ATTENTION_OPS:
+        args = _ungrouped(args)
+    kwargs = {k: _value(v) for k, v in node.kwargs.items()}
+    flops = hint(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    return int(flops * CAUSAL_WORK_FRACTION) if _is_causal(node) else int(flops)
+
+
+MEASURE_REPEATS = 5
+"""Timed runs per distinct node in measured mode (after one warm-up); the median is kept."""
+
+
+class MeasuredCosts:
+    """A ``CostModel`` override that times each distinct non-fusible op once on the GPU.
+
+    It runs inside AOTAutograd's partitioner, where a fake-tensor mode is active; the timing
+    steps out of it so the op really runs.
+
+    Inputs are random tensors of the node's shapes, strides and dtypes (integer tensors are
+    zeros, so index arguments stay in range). Fusible ops return None: alone they would be
+    timed unfused, so the fusion-aware roofline prices them. An op that cannot be run from its
+    fake arguments is logged and priced by the roofline.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        self._cache: dict[tuple, float | None] = {}
+
+    def _real(self, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        out = torch.empty_strided(*hint_shape(value), dtype=value.dtype, device=self.device)
+        return out.normal_() if out.is_floating_point() else out.zero_()
+
+    def __call__(self, node: fx.Node) -> float | None:
+        if is_fusible(node) or not isinstance(node.target, OpOverload):
+            return None
+        key = CostModel.describe(node)
+        if key not in self._cache:
+            self._cache[key] = self._time(node)
+        return self._cache[key]
+
+    def _time(self, node: fx.Node) -> float | None:
+        with unset_fake_temporarily():
+            return self._run(node)
+
+    def _run(self, node: fx.Node) -> float | None:
+        args = [self._real(_value(a)) for a in node.args]
+        kwargs = {k: self._real(_value(v)) for k, v in node.kwargs.items()}
+        try:
+            node.target(*args, **kwargs)
+            times = []
+            for _ in range(MEASURE_REPEATS):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                node.target(*args, **kwargs)
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / MS)
+        except (RuntimeError, TypeError, ValueError) as error:
+            log.debug("storm: could not time %s (%s); using the roofline", node.target, error)
+            return None
+        return sorted(times)[len(times) // 2]
+
+
+class CostModel:
+    """Per-node compute time and per-copy transfer time under one :class:`DeviceProfile`.
+
+    ``override(node)`` may return seconds for a node (e.g. a measured time) or None to use the
+    roofline. Estimates are cached by op, input/output shapes, strides and dtypes.
+    """
+
+    def __init__(self, profile: DeviceProfile,
+                 override: Callable[[fx.Node], float | None] | None = None) -> None:
+        self.profile = profile
+        self.override = override
+        self._cache: dict[tuple, float] = {}
+
+    def _traffic(self, node: fx.Node) -> tuple[int, int]:
+        """Bytes ``node`` reads and writes in device memory, counting fusion: a fusible node
+        reads only the inputs produced outside its chain and writes only if it ends the chain."""
+        out = node.meta.get("val")
+        if not is_fusible(node):
+            return tensor_bytes([_value(a) for a in node.args]), tensor_bytes(out)
+        reads = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes
+                    if not is_fusible(storage_owner(a)))
+        return reads, tensor_bytes(out) if materialized(node) else 0
+
+    @staticmethod
+    def describe(node: fx.Node) -> tuple:
+        """Op, and shapes, strides and dtypes of its arguments and outputs."""
+        def describe(value):
+            if isinstance(value, torch.Tensor):
+                return (*hint_shape(value), value.dtype)
+            value = hint(value)
+            return value if isinstance(value, (int, float, bool, str, type(None))) else type(value)
+
+        args = tuple(describe(v) for v in leaves([_value(a) for a in node.args]))
+        kwargs = tuple((k, describe(v)) for k, v in node.kwargs.items())
+        return (node.target, args, kwargs,
+                tuple(describe(v) for v in leaves(node.meta.get("val"))))
+
+    def _key(self, node: fx.Node) -> tuple:
+        return (*self.describe(node), self._traffic(node), materialized(node))
+
+    def compute_seconds(self, node: fx.Node) -> float:
+        """Seconds ``node`` keeps the compute stream busy (0 for views and graph plumbing). Left
+        as traced, a streamed weight's fetch and its gradient's copy home run in program order
+        on the compute stream's queue: they cost their link time there, and the gradient also
+        its addition on the host, which the copy home waits for."""
+        if not is_compute(node) or not hasattr(node.target, "_schema"):
+            return 0.0
+        if node.target is ops.fetch_weight:
+            return self.transfer_seconds(tensor_bytes(node.meta.get("val")), Lane.H2D)
+        if node.target is ops.grad_to_host:
+            nbytes = tensor_bytes(node.args[0].meta.get("val"))
+            return self.transfer_seconds(nbytes, Lane.D2H) + self.host_add_seconds(nbytes)
+        if self.override is not None:
+            measured = self.override(node)
+            if measured is not None:
+                return measured
+        key = self._key(node)
+        if key not in self._cache:
+            self._cache[key] = self._roofline(node)
+        return self._cache[key]
+
+    def _roofline(self, node: fx.Node) -> float:
+        out = node.meta.get("val")
+        dtypes = [v.dtype for v in leaves(out) if isinstance(v, torch.Tensor)]
+        rate = self.profile.matmul_flops if dtypes and dtypes[0] in HALF_PRECISION \
+            else self.profile.fp32_flops
+        packet = getattr(node.target, "overloadpacket", None)
+        if FLOP_ALIASES.get(packet, packet) in ATTENTION_OPS:
+            rate *= ATTENTION_EFFICIENCY
+        reads, writes = self._traffic(node)
+        launch = self.profile.launch_s if materialized(node) else 0.0
+        return max(node_flops(node) / rate, (reads + writes) / self.profile.memory_bandwidth,
+                   launch)
+
+    def host_add_seconds(self, nbytes: int) -> float:
+        """Seconds the host takes to add a gradient of ``nbytes`` into its parameter's grad."""
+        return nbytes / self.profile.host_add_bandwidth
+
+    def host_step_seconds(self, nbytes: int) -> float:
+        """Seconds fused AdamW takes on the host to step a parameter of ``nbytes``."""
+        return nbytes / self.profile.host_adamw_bandwidth
+
+    def transfer_seconds(self, nbytes: int, lane: Lane) -> float:
+        """Seconds to copy ``nbytes`` alone on ``lane`` (``Lane.H2D`` or ``Lane.D2H``)."""
+        return self.profile.copy_latency_s + nbytes / self.bandwidth(lane)
+
+    def bandwidth(self, lane: Lane, shared: bool = False) -> float:
+        """Bytes/s of one direction, alone or sharing the link with the other direction."""
+        alone = self.profile.h2d_bandwidth if lane is Lane.H2D else self.profile.d2h_bandwidth
+        if not shared:
+            return alone
+        total = self.profile.h2d_bandwidth + self.profile.d2h_bandwidth
+        return self.profile.duplex_bandwidth * alone / total

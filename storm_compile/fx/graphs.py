@@ -1,0 +1,276 @@
+"""The graph pair the passes work on, their context, and per-node cost annotations."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from torch import fx
+
+from storm_compile.config import StormConfig
+from storm_compile.cost.cost_model import CostModel
+from storm_compile.fx.plan import Decision, MemoryPlan, StoragePlan, Unplaced
+from storm_compile.fx.torch_private import (
+    LazyGraphModule,
+    functorch_config,
+    min_cut_rematerialization_partition,
+    use_lazy_graph_module,
+)
+from storm_compile.fx.vocabulary import RECOMPUTE_TAG, view_closure
+from storm_compile.planner.step_budget import NO_FRAME, GraphId, StepBudget
+
+COST_KEY = "storm_cost"
+"""``node.meta`` key of the :class:`NodeCost` written by ``annotate_costs``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JointGraph:
+    """AOTAutograd's joint forward-backward graph and what its partitioner was called with."""
+
+    module: fx.GraphModule
+    inputs: Any
+    partition_kwargs: dict[str, Any]
+    _splits: dict[frozenset, tuple[fx.GraphModule, fx.GraphModule]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False)
+    """The partitioner's split for each set of recompute tags it was asked with."""
+
+    def split(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """Partition as ``torch.compile`` does (min-cut), honouring recompute tags on nodes.
+
+        The partitioner's split is a function of the joint graph and its tags, and a large
+        graph's takes seconds, so it runs once per set of tags; each call returns copies the
+        passes may rewrite (their nodes' ``meta`` dicts copied, the values in them shared).
+        The copies generate their Python code on first use (:func:`_copy_module`).
+
+        The partitioner first removes dead code and common subexpressions from the joint graph
+        in place (a tagged node may go with them) and settles some tags on it (values it must
+        save), then splits what is left: its split is also the one for the graph and tags it
+        leaves behind, which every later call sees, so it is stored under those tags too.
+        Between splits only the recompute tags change, which common-subexpression elimination
+        does not read, and the graph the first split left has no common subexpression left: a
+        later split skips that pass (a copy of the whole graph) and gives what it would give.
+
+        Assumes: after its first split, the joint graph's nodes change only in their recompute
+        tags (``rematerialize`` and the pipeline's re-plans set only those)."""
+        tags = self._tags()
+        if tags not in self._splits:
+            cse = functorch_config.cse and not self._splits
+            with use_lazy_graph_module(True), functorch_config.patch(cse=cse):
+                split = min_cut_rematerialization_partition(self.module, self.inputs,
+                                                            **self.partition_kwargs)
+            self._splits[tags] = split
+            self._splits.setdefault(self._tags(), split)
+        forward, backward = self._splits[tags]
+        return _copy_module(forward), _copy_module(backward)
+
+    def _tags(self) -> frozenset:
+        """The recompute tags on the joint graph's nodes, by node name."""
+        return frozenset((n.name, n.meta[RECOMPUTE_TAG]) for n in self.module.graph.nodes
+                         if RECOMPUTE_TAG in n.meta)
+
+
+def lazy_module(module: fx.GraphModule) -> fx.GraphModule:
+    """``module`` as a lazy graph module on the same graph, with its ``meta``: its Python code
+    is generated only when it is called or its ``code`` read. A joint graph is rewritten by
+    storm's streaming passes and again by each partition (each recompiles it), and never run,
+    so that code (half a CPU second for the streamed 28-layer Llama's) need never be made.
+    AOTAutograd already hands over a lazy module (returned as it is) under dynamo's default
+    config and :func:`~storm_compile.cli.commands.plan_model`; other callers of AOTAutograd may
+    not. The graph now belongs to the returned module."""
+    lazy = LazyGraphModule.from_graphmodule(module)
+    if lazy is not module:
+        lazy.meta.update(module.meta)
+    return lazy
+
+
+def _copy_module(module: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``module`` with its own graph, as a lazy graph module: its Python code is
+    generated when it is first called or its ``code`` read (``recompile`` only marks it stale),
+    so a split a re-plan discards, or rewrites and discards, never pays for code generation,
+    which takes about as long as copying a large graph."""
+    copied = LazyGraphModule(module, copy.deepcopy(module.graph), module.__class__.__name__)
+    copied.meta.update(module.meta)
+    return copied
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """What one pass run did to a pair of graphs: the pipeline appends one per run."""
+
+    name: str
+    seconds: float
+    changed: str
+    """What the pass changed, in a few words (``""`` when nothing)."""
+    code: tuple[tuple[str, str], ...] = ()
+    """With ``PassContext.stages``: the Python code of each graph the pass left, as (graph,
+    code) pairs (``joint``, or ``forward`` and ``backward``); empty otherwise."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StormGraphs:
+    """A forward and backward graph pair as AOTAutograd's partitioner produced it.
+
+    The forward returns ``num_fwd_outputs`` user-visible values (outputs, mutated inputs) followed
+    by the values saved for the backward; the backward takes each saved value as an input
+    (:func:`backward_inputs` maps them). ``joint`` lets a pass split again.
+    """
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    num_fwd_outputs: int
+    joint: JointGraph | None = None
+    storages: StoragePlan | None = None
+    """Every storage the forward saves for the backward and its decision (``plan_offload``
+    builds it for each split; later passes return it revised)."""
+    plan: MemoryPlan | None = None
+    """What the memory planner aimed at; set by ``plan_memory`` on the first split."""
+    records: tuple[PassRecord, ...] = ()
+    """One record per pass run on these graphs (and on the split they replaced), in order."""
+
+
+def copy_decided(graphs: StormGraphs) -> StormGraphs:
+    """A copy of a pair whose storages are decided but not yet placed, which passes may rewrite
+    leaving ``graphs`` as it was: both modules copied (:func:`_copy_module`, which keeps every
+    node's name, ``meta`` entries and order) and the storage plan's nodes those of the copies.
+
+    Assumes: ``plan_offload`` ran on ``graphs`` and ``place_transfers`` has not (no
+    placement, fetch or send, which would name nodes of their own; resident weights are named
+    by their inputs' names); raises ``ValueError`` otherwise. ``graphs.plan`` is shared: its
+    nodes are the first split's, which no pass rewrites."""
+    plan = graphs.storages
+    if plan is None or plan.fetches or plan.sends or any(
+            d.placement is not None for d in plan.decisions.values()):
+        raise ValueError("copy_decided: copy graphs whose storages are decided and not yet "
+                         "placed")
+    forward, backward = _copy_module(graphs.forward), _copy_module(graphs.backward)
+    fw = {n.name: n for n in forward.graph.nodes}
+    bw = {n.name: n for n in backward.graph.nodes}
+    storages = tuple(dataclasses.replace(
+        s, root=fw[s.root.name], members=tuple(fw[m.name] for m in s.members),
+        first_read=None if s.first_read is None else bw[s.first_read.name])
+        for s in plan.storages)
+    decisions = {fw[root.name]: _decision_on(decision, bw)
+                 for root, decision in plan.decisions.items()}
+    return dataclasses.replace(graphs, forward=forward, backward=backward,
+                               storages=dataclasses.replace(plan, storages=storages,
+                                                            decisions=decisions))
+
+
+def _decision_on(decision: Decision, backward: dict[str, fx.Node]) -> Decision:
+    """``decision`` naming the backward node in ``backward`` of the same name as the read its
+    copy would be late for (the only node an unplaced decision names)."""
+    held = decision.held
+    if not isinstance(held, Unplaced) or held.read is None:
+        return decision
+    return dataclasses.replace(decision, held=dataclasses.replace(held,
+                                                                  read=backward[held.read.name]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the planner plans a graph against where it differs from the user's options, which
+    are never rewritten: to fit a streamed graph's device peak under a byte budget, or to trade
+    activations for weights kept on the device, the planner's search
+    (:func:`storm_compile.compiler.pipeline.plan_within_budget`) plans with a lower byte budget and
+    a
+    smaller prefetch window; where the partitioner rejects the planned recomputation, the graph
+    is planned without. None: the user's option."""
+
+    memory_budget: int | None = None
+    prefetch_window_bytes: int | None = None
+    recompute: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    config: StormConfig
+    cost: CostModel
+    step: StepBudget = dataclasses.field(default_factory=StepBudget)
+    """The step's other graphs and what they planned (budgets are the step's)."""
+    graph: GraphId = (NO_FRAME, 0, 0)
+    """Which graph of the step the passes are planning."""
+    resident_room: int = 0
+    """Device bytes ``plan_weights`` may fill with streamed weights kept there: what a byte
+    budget left above the predicted device peak of the graph's plan without them (0: none)."""
+    stages: bool = False
+    """Keep the graph code each pass leaves in its :class:`PassRecord` (``storm schedule
+    --stages``). Off in the backend: a large graph's code takes about half a CPU second to
+    generate, and nothing else reads it."""
+    limits: Limits = Limits()
+    """Where the planner plans against other numbers than the user's options (``config``)."""
+
+    @property
+    def memory_budget(self) -> int | float | str | None:
+        """The budget this graph is planned against: the search's, else the user's."""
+        chosen = self.limits.memory_budget
+        return self.config.memory_budget if chosen is None else chosen
+
+    @property
+    def prefetch_window_bytes(self) -> int:
+        chosen = self.limits.prefetch_window_bytes
+        return self.config.prefetch_window_bytes if chosen is None else chosen
+
+    @property
+    def recompute(self) -> bool:
+        chosen = self.limits.recompute
+        return self.config.recompute if chosen is None else chosen
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCost:
+    output_bytes: int
+    """Bytes of the node's tensor outputs (0 for non-tensor values)."""
+
+    is_compute: bool
+    """Whether the node launches work on the compute stream (not a view, getitem or transfer)."""
+
+    compute_s: float
+    """Predicted seconds on the compute stream (0 unless ``is_compute``)."""
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(iter(gm.graph.find_nodes(op="output")))
+
+
+def saved_values(graphs: StormGraphs) -> list[fx.Node]:
+    """Forward nodes returned for the backward, in output order."""
+    outputs = output_node(graphs.forward).args[0]
+    return [n for n in outputs[graphs.num_fwd_outputs:] if isinstance(n, fx.Node)]
+
+
+def model_outputs(graphs: StormGraphs) -> list[fx.Node]:
+    outputs = output_node(graphs.forward).args[0]
+    return [n for n in outputs[:graphs.num_fwd_outputs] if isinstance(n, fx.Node)]
+
+
+def _is_symbolic(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def backward_inputs(graphs: StormGraphs) -> dict[fx.Node, fx.Node]:
+    """Each saved forward value, mapped to the backward input that receives it.
+
+    The partitioner's contract (``_extract_fwd_bwd_modules``): the forward returns its outputs,
+    then the saved tensors, then the saved symbolic sizes; the backward takes the saved
+    symbolic sizes first, then the saved tensors, then the tangents. Positions, not names, tie
+    them (functionalised RNG states, for one, are renamed in the backward)."""
+    saved_all = saved_values(graphs)
+    ordered = [n for n in saved_all if _is_symbolic(n)] + \
+        [n for n in saved_all if not _is_symbolic(n)]
+    inputs = list(graphs.backward.graph.find_nodes(op="placeholder"))
+    if len(inputs) < len(ordered) or any(
+            _is_symbolic(i) != _is_symbolic(s) for s, i in zip(ordered, inputs)):
+        raise RuntimeError("storm: the backward's inputs do not match the forward's saved "
+                           "values; the partitioner's input order changed")
+    return dict(zip(ordered, inputs))
+
+
+def first_backward_read(inputs: dict[fx.Node, fx.Node], saved: list[fx.Node],
+                        order: dict[fx.Node, int]) -> fx.Node:
+    """The first backward node (by ``order``) that reads the data of any forward value in
+    ``saved``, given the :func:`backward_inputs` that receive them: views of the backward
+    inputs do not count, the nodes reading through them do."""
+    return min((r for m in saved for r in view_closure(inputs[m], order)[1]),
+               key=order.__getitem__)

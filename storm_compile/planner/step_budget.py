@@ -1,0 +1,216 @@
+"""One memory budget for the whole training step, however many graphs dynamo makes of it.
+
+A step is often several compiled graphs: graph breaks, DDPOptimizer's one graph per gradient
+bucket, FSDP2's hooks. A user's ``memory_budget`` is about the step, so each graph is planned
+knowing what the graphs compiled before it planned. Graphs are planned in the order dynamo
+compiles them (for DDP, every bucket's piece during the first forward), and a
+:class:`StepBudget` keeps one :class:`GraphShare` per graph of the step, keyed by the frame that
+made it and its position within that frame's compilation; a recompilation of the same frame
+(new shapes, a failed guard) replaces that frame's graphs.
+
+How graph ``k`` is planned, with ``B`` and ``A`` summing the other graphs' activation memory
+without storm and as planned:
+
+* a fraction ``f``: ``f * (B + b_k) - A``, within ``[minimum_k, b_k]``: the step so far stays
+  at ``f`` of its activations; a graph too small to reach its share does what it can and the
+  later ones make up the difference where they can;
+* bytes: what the others left, ``budget - A``. If even this graph's minimum does not fit, the
+  step's minimum (every graph's minimum summed) is compared with the budget: above it, the
+  budget is infeasible for the step (:class:`StormBudgetError`, stating the step's minimum);
+  below it, the earlier graphs, planned before this one existed, took the room, so this graph
+  keeps its minimum and storm warns once how far the step is over;
+* ``"auto"``: the step-time allowance ``max_overhead`` is the step's, shared the same way: a
+  graph may spend ``max_overhead * (S + s_k)`` less what the other graphs spent.
+
+One compiled graph may run several times before the step's backward: identical blocks compile
+to one graph when each is compiled on its own (torchtitan's way) or sits behind FSDP2's hooks.
+Planning cannot see that; the forward can. Under a byte budget :meth:`StepBudget.ran` counts
+each graph's runs whose backward is still to come, and raises :class:`StormBudgetError` as soon
+as they hold more than the budget: the plan was made for one run, and a byte budget cannot be
+shared among runs the planner never saw. A fraction budget, or ``"auto"``, holds for every run
+alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+from storm_compile.fx.torch_private import CompileContext
+from storm_compile.fx.vocabulary import GIB
+
+NO_FRAME = -1
+"""Frame id of graphs compiled outside dynamo (the CLI traces with AOTAutograd directly)."""
+
+
+class StormBudgetError(ValueError):
+    """The memory budget cannot be met by the step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphShare:
+    """One compiled graph's part of the step, as planned."""
+
+    baseline_bytes: int
+    """Activation memory the graph holds without storm."""
+    minimum_bytes: int
+    """The least activation memory the graph allows."""
+    planned_bytes: int
+    """Activation memory storm's plan is predicted to hold."""
+    baseline_step_s: float
+    spent_s: float
+    """Predicted step time the plan adds."""
+    resident_bytes: int = 0
+    """Streamed weights the plan keeps on the device: they count against a byte budget."""
+    host_bytes: int = 0
+    """Pinned host memory its offloads hold at the end of its forward (in the pool's buckets):
+    the step's graphs share ``host_memory_limit``."""
+
+
+GraphId = tuple[int, int, int]
+"""(frame id, compilation of that frame, position of the graph in that compilation)."""
+
+
+def current_graph_id(counter: dict[tuple[int, int], int]) -> GraphId:
+    """The id of the graph about to be planned; ``counter`` numbers graphs per compilation."""
+    compile_id = CompileContext.current_compile_id()
+    frame = (NO_FRAME, 0) if compile_id is None else (compile_id.frame_id,
+                                                     compile_id.frame_compile_id)
+    position = counter.get(frame, 0)
+    counter[frame] = position + 1
+    return (*frame, position)
+
+
+class StepBudget:
+    """The graphs of one backend's step and what each planned; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._shares: dict[GraphId, GraphShare] = {}
+        self._positions: dict[tuple[int, int], int] = {}
+        self._warned = False
+        self._runs: dict[GraphId, int] = {}
+        """Runs of each graph whose backward is still to come."""
+        self.last: GraphId | None = None
+        """The graph recorded last."""
+
+    def next_graph(self) -> GraphId:
+        return current_graph_id(self._positions)
+
+    def peek_graph(self) -> GraphId:
+        """The id :meth:`next_graph` will return, without taking it."""
+        return current_graph_id(dict(self._positions))
+
+    def ledger_key(self, graph: GraphId) -> str:
+        """What ``graph``'s plan is made against: the other graphs of the step and their
+        shares. Part of the graph's cache key under a budget."""
+        others = sorted((key, share) for key, share in self._step(graph).items()
+                        if key != graph)
+        return repr(others)
+
+    def _step(self, graph: GraphId) -> dict[GraphId, GraphShare]:
+        """Shares of the step's graphs, ``graph`` included when recorded: a later compilation
+        of a frame replaces its earlier graphs."""
+        latest: dict[int, int] = {}
+        for frame, compilation, _ in self._shares:
+            latest[frame] = max(latest.get(frame, compilation), compilation)
+        latest[graph[0]] = max(latest.get(graph[0], graph[1]), graph[1])
+        return {key: share for key, share in self._shares.items()
+                if key == graph or key[1] == latest[key[0]]}
+
+    def _others(self, graph: GraphId) -> list[GraphShare]:
+        """Shares of the step's other graphs."""
+        return [share for key, share in self._step(graph).items() if key != graph]
+
+    def ran(self, graph: GraphId, budget: int) -> Callable[[], None]:
+        """``graph`` ran a forward whose backward is still to come; raise
+        :class:`StormBudgetError` when the runs whose backward is to come hold more than
+        ``budget`` bytes. Returns what to call once the run's backward starts or its autograd
+        graph is gone (either, any number of times)."""
+        runs = self._runs[graph] = self._runs.get(graph, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._runs[graph] -= 1
+
+        if runs < 2:
+            return release
+        shares = self._step(graph)
+        # Every graph of the step holds at least the one run it was planned for.
+        held = sum(max(self._runs.get(key, 0), 1) * share.planned_bytes + share.resident_bytes
+                   for key, share in shares.items())
+        if held > budget:
+            release()
+            planned = shares[graph].planned_bytes
+            raise StormBudgetError(
+                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one "
+                f"of its compiled graphs ran {runs} times before the backward (identical "
+                f"blocks compile to one graph when each is compiled on its own or sits behind "
+                f"FSDP2's hooks): planned for one run at {planned} bytes "
+                f"({planned / GIB:.3f} GiB), the step would hold {held} bytes "
+                f"({held / GIB:.3f} GiB). Give memory_budget as a fraction (such as "
+                f"0.5), which holds for every run, or in bytes divided by the runs")
+        return release
+
+    def target_bytes(self, graph: GraphId, budget: int | float, baseline: int,
+                     minimum: int) -> int:
+        """Activation memory this graph should reach for a byte or fraction budget."""
+        others = self._others(graph)
+        held = sum(s.planned_bytes + s.resident_bytes for s in others)
+        if isinstance(budget, float):
+            share = budget * (sum(s.baseline_bytes for s in others) + baseline) - held
+            return int(min(max(share, minimum), baseline))
+        if budget - held >= minimum:
+            return int(min(budget - held, baseline))
+        step_minimum = minimum + sum(s.minimum_bytes for s in others)
+        if step_minimum > budget:
+            raise StormBudgetError(
+                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the minimum "
+                f"feasible for the step: its {len(others) + 1} graph(s) compiled so far must "
+                f"hold at least {step_minimum} bytes ({step_minimum / GIB:.3f} GiB) at the end "
+                f"of the forward (outputs, views of inputs, tensors under min_offload_bytes)")
+        self._warn_over(held + minimum - budget)
+        return minimum
+
+    def left_bytes(self, graph: GraphId, budget: int) -> int:
+        """What a byte budget leaves once the step's graphs, this one included (recorded),
+        hold what they planned."""
+        shares = [*self._others(graph), self._shares[graph]]
+        return budget - sum(s.planned_bytes + s.resident_bytes for s in shares)
+
+    def keep_resident(self, graph: GraphId, nbytes: int) -> None:
+        """This graph's plan keeps ``nbytes`` of streamed weights on the device."""
+        self._shares[graph] = dataclasses.replace(self._shares[graph], resident_bytes=nbytes)
+
+    def host_room(self, graph: GraphId, limit: int) -> int:
+        """Pinned host memory this graph's offloads may hold: ``limit`` less what the step's
+        other graphs' offloads hold."""
+        return limit - sum(s.host_bytes for s in self._others(graph))
+
+    def allowance_s(self, graph: GraphId, baseline_step_s: float, max_overhead: float) -> float:
+        """Predicted step time this graph's plan may add under ``memory_budget="auto"``."""
+        others = self._others(graph)
+        step = sum(s.baseline_step_s for s in others) + baseline_step_s
+        return max(0.0, max_overhead * step - sum(s.spent_s for s in others))
+
+    def record(self, graph: GraphId, share: GraphShare) -> None:
+        self._shares[graph] = share
+        self.last = graph
+
+    def share(self, graph: GraphId) -> GraphShare:
+        """What this graph's last plan recorded."""
+        return self._shares[graph]
+
+    def _warn_over(self, excess: int) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"storm: the step's activation memory is planned {excess} bytes "
+            f"({excess / GIB:.3f} GiB) over memory_budget: graphs compiled earlier in the step "
+            f"were planned before this one existed and took the room; a fraction budget "
+            f"(such as 0.5) shares the step between its graphs as they arrive",
+            RuntimeWarning, stacklevel=2)

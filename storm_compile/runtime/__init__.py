@@ -1,0 +1,1 @@
+"""What runs beside the compiled graphs: the typed transfer ops, their copy streams, pinned host pool and host thread, and what storm learns of the training loop."""

@@ -1,0 +1,149 @@
+"""What storm learns of the training loop around streamed parameters: how many backwards each
+optimizer step follows, and whether anything reads their gradients before that step.
+
+The plain loop::
+
+    for batch in micro_batches:
+        model(batch).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+is served as the fast loop by itself. Every backward returns without waiting for its own
+gradients' host additions (any read of a streamed parameter's ``.grad`` waits for them), and
+once an optimizer has stepped :data:`STABLE_CYCLES` times after the same number ``n`` of
+backwards, with nothing reading the streamed gradients between the last backward and the step,
+the ``n``-th backward of every later step also steps that optimizer for each streamed parameter
+as soon as its gradient is complete, on the host thread, while the GPU finishes the backward.
+``optimizer.step()`` then steps only the parameters left on the device.
+
+What cannot be undone is refused rather than served wrong: a read of a streamed parameter's
+``.grad`` after it was stepped in the backward raises :class:`StormOverlapError`, and so does a
+backward that brings a gradient to a parameter already stepped in an earlier backward of the
+same step (more backwards per step than storm learned). A read seen while learning (gradient
+clipping, a grad scaler, logging) keeps that optimizer on the slow path, with one warning.
+:func:`overlap_optimizer` turns the overlap off, or states the count up front.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+STABLE_CYCLES = 2
+"""Optimizer steps in a row that must follow the same number of backwards before storm steps
+parameters during the last one: a first step taken after a different count (a warm-up or a
+sanity step) is not trusted, because stepping a parameter too early cannot be undone."""
+
+OVERLAPPABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+                torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+                torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop, torch.optim.ASGD)
+"""torch's optimizers whose update of a parameter reads only that parameter, its gradient and
+its own state, so they may step one parameter at a time. Others (LBFGS, which needs every
+gradient at once; optimizers storm does not know) step in ``optimizer.step()``."""
+
+
+class StormOverlapError(RuntimeError):
+    """A loop did what an optimizer step already taken during a backward cannot serve."""
+
+
+@dataclasses.dataclass
+class Cycle:
+    """One optimizer's learning state."""
+
+    counts: list[int] = dataclasses.field(default_factory=list)
+    """Backwards before each of its last :data:`STABLE_CYCLES` steps."""
+    backwards_per_step: int | None = None
+    """Stated by :func:`overlap_optimizer`: trusted from the first step."""
+    enabled: bool = True
+    """False once turned off by :func:`overlap_optimizer` or by a read while learning."""
+    stepped: dict[int, int] = dataclasses.field(default_factory=dict)
+    """``id(param)`` of each parameter stepped during a backward of the current step, to the
+    number of backwards before that one."""
+
+    def final_backward(self) -> int | None:
+        """How many backwards come before the one that steps the streamed parameters, or None
+        while not known."""
+        if not self.enabled:
+            return None
+        if self.backwards_per_step is not None:
+            return self.backwards_per_step - 1
+        if len(self.counts) == STABLE_CYCLES and len(set(self.counts)) == 1 \
+                and self.counts[0] > 0:
+            return self.counts[0] - 1
+        return None
+
+    def observe(self, backwards: int) -> None:
+        """A step followed ``backwards`` backwards."""
+        self.counts = [*self.counts, backwards][-STABLE_CYCLES:]
+        self.stepped.clear()
+
+
+def streamed_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The streamed parameters (:class:`storm_compile.weights.streaming.HostParameter`)
+    ``optimizer``
+    steps."""
+    return [p for group in optimizer.param_groups for p in group["params"]
+            if getattr(p, "storm_streamed", False)]
+
+
+def step_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
+    """Step ``optimizer`` for ``param`` alone, with its group's settings, and set its ``.grad``
+    to None so that ``optimizer.step()`` skips it. Raises ``ValueError`` when ``param`` is not
+    in ``optimizer``."""
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])),
+                 None)
+    if group is None:
+        raise ValueError(f"storm: a streamed parameter of shape {tuple(param.shape)} is not in "
+                         f"the optimizer that steps during the backward")
+    groups = optimizer.param_groups
+    optimizer.param_groups = [{**group, "params": [param]}]
+    try:
+        optimizer.step()
+    finally:
+        optimizer.param_groups = groups
+    param.grad = None
+
+
+class Cycles:
+    """The :class:`Cycle` of every optimizer that steps streamed parameters, and the owner of
+    each streamed parameter, learned at each step (weakly held: neither outlives the user's
+    references)."""
+
+    def __init__(self) -> None:
+        self._cycles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._owners = WeakIdKeyDictionary()
+
+    def configure(self, optimizer: torch.optim.Optimizer, enabled: bool,
+                  backwards_per_step: int | None) -> None:
+        """Set ``optimizer``'s cycle (:func:`storm_compile.weights.streaming.overlap_optimizer`),
+        forgetting what was learned of it."""
+        self._cycles[optimizer] = Cycle(backwards_per_step=backwards_per_step, enabled=enabled)
+        self._own(optimizer, streamed_parameters(optimizer))
+
+    def _own(self, optimizer: torch.optim.Optimizer, streamed: list[torch.Tensor]) -> None:
+        reference = weakref.ref(optimizer)
+        for param in streamed:
+            self._owners[param] = reference
+
+    def observe(self, optimizer: torch.optim.Optimizer, streamed: list[torch.Tensor],
+                backwards: int) -> Cycle | None:
+        """``optimizer``, which steps ``streamed`` (its streamed parameters), is about to step
+        after ``backwards`` backwards; its cycle, or None when it steps none or storm does not
+        know how it steps."""
+        if not streamed or not isinstance(optimizer, OVERLAPPABLE):
+            return None
+        cycle = self._cycles.setdefault(optimizer, Cycle())
+        self._own(optimizer, streamed)
+        cycle.observe(backwards)
+        return cycle
+
+    def owner(self, param: torch.Tensor) -> tuple[torch.optim.Optimizer, Cycle] | None:
+        """The optimizer last seen stepping ``param``, with its cycle."""
+        reference = self._owners.get(param)
+        optimizer = None if reference is None else reference()
+        if optimizer is None or optimizer not in self._cycles:
+            return None
+        return optimizer, self._cycles[optimizer]

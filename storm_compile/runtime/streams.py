@@ -1,0 +1,658 @@
+"""What the transfer ops need at run time: copy streams, the pinned host pool, pending copies.
+
+One :class:`TransferRuntime` serves the process. The ops receive only tensors and scalars,
+so the state that outlives a single call (streams, pooled pinned buffers, copies launched
+but not yet recorded or waited on) lives here, in one object, rather than in module globals
+scattered across the ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.weak import WeakIdKeyDictionary
+
+from storm_compile.fx.torch_private import (
+    execution_engine,
+    optional,
+    storage_use_count,
+    will_engine_execute_node,
+)
+from storm_compile.runtime.cycles import (
+    Cycles,
+    StormOverlapError,
+    step_parameter,
+    streamed_parameters,
+)
+
+log = logging.getLogger("storm_compile")
+
+
+def _storage_use_count(tensor: torch.Tensor) -> int:
+    return storage_use_count(tensor.untyped_storage()._cdata)
+
+
+class StormAutogradError(RuntimeError):
+    """An autograd entry point that cannot serve a streamed parameter, whose gradient reaches
+    its ``.grad`` on storm's host thread rather than through the autograd engine."""
+
+
+def _current_backward() -> int | None:
+    """The autograd engine's running backward pass (its graph task id), or None outside one
+    (or where this torch cannot tell)."""
+    current = optional("current_graph_task_id")
+    task = -1 if current is None else current()
+    return None if task == -1 else task
+
+
+_TENSOR_GRAD = torch.Tensor.grad
+"""``.grad`` as the tensor holds it: the host thread adds into it without the wait that a
+streamed parameter's own ``.grad`` does (:class:`storm_compile.weights.streaming.HostParameter`)."""
+
+BUCKETS_PER_DOUBLING = 8
+"""Pinned buffers come in sizes rounded up to one of this many steps per power of two, so
+tensors whose sizes vary from step to step (variable sequence lengths) reuse buffers instead
+of pinning new ones; a buffer is at most 1/8 (12.5 %) larger than the tensor it holds."""
+
+
+PINNING_THREADS = 8
+"""Threads that map a new pinned buffer's pages before ``cudaHostRegister`` pins them (torch's
+``pinned_use_cuda_host_register`` and ``pinned_num_register_threads``, for which torch's
+documentation names 8): on the H100 host pinning 3.2 GiB then ran at 5.4-6.1 GB/s, against
+1.4-1.9 GB/s through ``cudaHostAlloc``, torch's default, with copies into either as fast."""
+PINNED_OPTIONS = "pinned_"
+"""The prefix of the allocator options about pinned memory: where ``PYTORCH_CUDA_ALLOC_CONF``
+names one, the user chose how to pin and storm leaves it."""
+
+
+@functools.cache
+def pin_quickly() -> bool:
+    """Before storm's first pinned allocation in a process: pin with :data:`PINNING_THREADS`
+    threads through ``cudaHostRegister``. Not where CUDA is absent, ``PYTORCH_CUDA_ALLOC_CONF``
+    sets an option about pinned memory, this torch cannot set it or count pinned blocks, or
+    the process has pinned memory already: some torch versions free a pinned block the way the
+    setting says at the time, so a block pinned the other way must never exist. (Torch reports
+    no host statistics at all before its pinned allocator exists.) Whether it switched."""
+    configured = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    setter = optional("set_allocator_settings")
+    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+    if not torch.cuda.is_available() or PINNED_OPTIONS in configured or setter is None \
+            or stats is None or stats().get("num_host_alloc", 0) != 0:
+        return False
+    setter(f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{PINNING_THREADS}")
+    log.debug("pinning through cudaHostRegister on %d threads", PINNING_THREADS)
+    return True
+
+
+def bucket_bytes(nbytes: int) -> int:
+    """``nbytes`` rounded up to its pool bucket."""
+    step = 1 << max(0, (nbytes - 1).bit_length() - BUCKETS_PER_DOUBLING.bit_length())
+    return -(-nbytes // step) * step
+
+
+class PinnedPool:
+    """Pinned host buffers reused across steps, bucketed by size (:func:`bucket_bytes`).
+
+    Pinning is slow (143 ms for 256 MiB on the H100), so a buffer is pinned once and handed out
+    again in later steps. A buffer is free again once no tensor other than the pool's own
+    reference uses its storage: the backward dropped its host copy, or the graph that held it
+    was freed without a backward. Reuse is safe for the device: a new copy into a reused buffer
+    is issued on a stream that first waits on the compute stream, and the compute stream has
+    already waited on the event of the last copy that read or wrote the buffer.
+
+    The pool never holds more than the limit it is asked with: when a new buffer would pass it,
+    idle buffers of other sizes (left by sizes no longer seen) are released first.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        self.reserved_bytes = 0
+
+    def acquire(self, nbytes: int, limit: int) -> torch.Tensor | None:
+        """A pinned uint8 buffer of at least ``nbytes`` not used by anyone, or None when one
+        cannot be had within ``limit``."""
+        size = bucket_bytes(nbytes)
+        for buffer, idle_count in self._buffers.get(size, ()):
+            if _storage_use_count(buffer) == idle_count:
+                return buffer
+        if self.reserved_bytes + size > limit:
+            self._release_idle(self.reserved_bytes + size - limit)
+        if self.reserved_bytes + size > limit:
+            return None
+        pin_quickly()
+        try:
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as error:
+            log.debug("pinning %d bytes failed: %s", size, error)
+            return None
+        self._buffers.setdefault(size, []).append((buffer, _storage_use_count(buffer)))
+        self.reserved_bytes += size
+        return buffer
+
+    def _release_idle(self, needed: int) -> None:
+        """Drop idle buffers, largest first, until ``needed`` bytes are released or none is
+        left idle."""
+        idle = sorted(((size, entry) for size, entries in self._buffers.items()
+                       for entry in entries if _storage_use_count(entry[0]) == entry[1]),
+                      key=lambda item: -item[0])
+        for size, entry in idle:
+            if needed <= 0:
+                break
+            self._buffers[size].remove(entry)
+            self.reserved_bytes -= size
+            needed -= size
+        self._buffers = {size: entries for size, entries in self._buffers.items() if entries}
+
+    def in_use_bytes(self) -> int:
+        return sum(size for size, entries in self._buffers.items()
+                   for buffer, idle in entries if _storage_use_count(buffer) != idle)
+
+    def clear(self) -> None:
+        """Forget every buffer; ones still referenced stay alive until their users drop them."""
+        self._buffers.clear()
+        self.reserved_bytes = 0
+
+
+Step = Callable[[torch.Tensor], None]
+"""Applies the optimizer to one parameter whose gradient is complete."""
+
+
+@dataclasses.dataclass
+class _PendingStep:
+    param: torch.Tensor
+    step: Step
+    adds_left: int
+
+
+class HostAdder:
+    """Adds gradients that arrive in host buffers into their parameters' ``.grad`` on one host
+    thread, in arrival order, each after the copy that fills its buffer is done, so that the
+    thread launching the backward's kernels never waits for a copy home or for the additions.
+
+    An addition may carry a ``step`` for its parameter (an optimizer overlapped with the
+    backward): it runs once the parameter's additions are all done and :meth:`join` has been
+    called, that is, once the whole backward has been launched and every gradient it sends is
+    known; on the thread, between additions, while the GPU finishes the backward.
+
+    A parameter whose ``.grad`` is None gets a buffer this object keeps for it, reused from
+    step to step while nothing else holds it (after ``zero_grad``): a fresh host allocation of
+    a model's gradients would pay its page faults at every step. An error on the thread is
+    raised by the next :meth:`join`. At ``DEBUG`` level the ``storm_compile`` logger gets a line
+    per addition: its bytes, how long it waited for its copy, how long the addition took, and
+    how many jobs were still queued (the thread falling behind shows as a growing queue).
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._buffers = WeakIdKeyDictionary()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._steps: dict[int, _PendingStep] = {}
+        self._launched = threading.Event()
+        self._finished = threading.Condition()
+        self._handed_over = 0
+        self._done = 0
+
+    def add(self, x: torch.Tensor, param: torch.Tensor, event: torch.cuda.Event | None,
+            step: Step | None = None) -> None:
+        """Add ``x`` into ``param.grad`` once ``event`` (when given) has completed: now when
+        there is nothing to wait for and nothing queued, else on the thread; then ``step``
+        it, when given, as the class says."""
+        if step is not None:
+            with self._lock:
+                pending = self._steps.setdefault(id(param), _PendingStep(param, step, 0))
+                pending.adds_left += 1
+        if event is None and self._jobs.unfinished_tasks == 0:
+            self._add_now(x, param, step is not None)
+            return
+        self._put((x, param, event, step is not None))
+
+    def join(self) -> None:
+        """Run the pending steps, wait until every queued addition and step is done; raise the
+        first error one hit."""
+        if self._steps:
+            self._launched.set()
+            self._put(None)
+        self._jobs.join()
+        self._launched.clear()
+        error, self._error = self._error, None
+        leftover = [p.param for p in self._steps.values()]
+        self._steps.clear()
+        if error is not None:
+            raise RuntimeError("storm: adding a gradient into its host parameter, or the "
+                               "optimizer step after it, failed") from error
+        if leftover:
+            raise RuntimeError(f"storm: {len(leftover)} parameters' optimizer steps did not "
+                               f"run: their gradients did not all arrive")
+
+    def settle(self) -> None:
+        """Wait until every job handed over so far is done; raise the first error one hit."""
+        self.wait_for(self._handed_over)
+        error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError("storm: adding a gradient into its host parameter, or the "
+                               "optimizer step after it, failed") from error
+
+    def handed_over(self) -> int:
+        """How many jobs the thread has been given so far: a mark for :meth:`wait_for`."""
+        return self._handed_over
+
+    def wait_for(self, mark: int) -> None:
+        """Wait until the thread has finished the first ``mark`` jobs it was given (their
+        errors are raised by the next :meth:`join`)."""
+        with self._finished:
+            self._finished.wait_for(lambda: self._done >= mark)
+
+    def on_thread(self) -> bool:
+        """Whether the caller runs on this object's host thread."""
+        return threading.current_thread() is self._thread
+
+    def _put(self, job) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="storm-host-adder",
+                                            daemon=True)
+            self._thread.start()
+        self._handed_over += 1
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is not None:
+                    x, param, event, counted = job
+                    begin = time.perf_counter()
+                    while event is not None and not event.query():
+                        if not self._step_one():
+                            event.synchronize()
+                    self._add_now(x, param, counted, time.perf_counter() - begin)
+                while self._step_one():
+                    pass
+            except BaseException as error:  # noqa: BLE001 - handed to join
+                self._error = self._error or error
+            finally:
+                job = x = param = event = None
+                with self._finished:
+                    self._done += 1
+                    self._finished.notify_all()
+                self._jobs.task_done()
+
+    def _step_one(self) -> bool:
+        """Run one step whose additions are done, once the backward is launched; whether one
+        ran."""
+        if not self._launched.is_set():
+            return False
+        with self._lock:
+            ready = next((key for key, p in self._steps.items() if p.adds_left == 0), None)
+            if ready is None:
+                return False
+            pending = self._steps.pop(ready)
+        pending.step(pending.param)
+        return True
+
+    def _add_now(self, x: torch.Tensor, param: torch.Tensor, counted: bool,
+                 waited_s: float = 0.0) -> None:
+        """Add ``x`` into ``param.grad``, ``waited_s`` after its job started waiting for its
+        copy; ``counted``: an addition its pending step waits for (an earlier micro-batch's,
+        still queued, is not one)."""
+        begin = time.perf_counter()
+        with torch.no_grad():
+            grad = _TENSOR_GRAD.__get__(param)
+            if grad is not None:
+                grad.add_(x)
+            else:
+                buffer, idle_count = self._buffers.get(param, (None, 0))
+                if buffer is None or _storage_use_count(buffer) != idle_count \
+                        or buffer.shape != param.shape or buffer.dtype != param.dtype:
+                    buffer = torch.empty_like(param, memory_format=torch.contiguous_format)
+                    self._buffers[param] = (buffer, _storage_use_count(buffer))
+                param.grad = buffer.copy_(x).detach()  # its own tensor: holders count as users
+        if counted:
+            with self._lock:
+                self._steps[id(param)].adds_left -= 1
+        log.debug("storm: gradient of %d bytes waited %.3f ms for its copy home, added in "
+                  "%.3f ms; %d jobs queued",
+                  x.numel() * x.element_size(), waited_s * 1e3,
+                  (time.perf_counter() - begin) * 1e3, self._jobs.qsize())
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchedCopy:
+    """A copy launched on a copy stream whose completion event is not recorded yet."""
+
+    stream: torch.cuda.Stream
+    device: torch.device
+    host_reads: bool
+    """The host reads the copy's destination once it is done (a gradient to add)."""
+    host_source: int | None
+    """``data_ptr`` of the host tensor the copy reads, for a copy from host memory: a write
+    into that tensor must wait for it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingCopy:
+    """A recorded copy the compute stream has not waited for yet."""
+
+    event: torch.cuda.Event
+    device: torch.device
+
+
+class TransferRuntime:
+    """Streams, pool and pending copies, the host thread that adds gradients (and steps the
+    parameters of an overlapped optimizer), the device copies of resident weights, and what is
+    learned of the training loop (:mod:`storm_compile.runtime.cycles`). Copies are keyed by the
+    destination's data pointer, which is unique while the destination is alive.
+
+    A backward returns once its copies home are launched and the additions of the backward
+    before it are done: the host thread adds one micro-batch's gradients while the GPU runs the
+    next, and no more than two micro-batches' gradients wait in pinned buffers. Whatever reads
+    a streamed parameter's gradient waits for its additions first (:meth:`read_grad`, called
+    by :class:`storm_compile.weights.streaming.HostParameter`), and so does every optimizer step.
+    """
+
+    def __init__(self) -> None:
+        self.pool = PinnedPool()
+        self._d2h: dict[torch.device, torch.cuda.Stream] = {}
+        self._h2d: dict[torch.device, torch.cuda.Stream] = {}
+        self._launched: dict[int, LaunchedCopy] = {}
+        self._events: dict[int, PendingCopy] = {}
+        self._host_events: dict[int, torch.cuda.Event] = {}
+        self._host_reads: dict[int, torch.cuda.Event] = {}
+        self._mirrors = WeakIdKeyDictionary()
+        self._optimizer_steps = 0
+        self._host_writes = 0
+        self._optimizer_hooks = None
+        self._adder = HostAdder()
+        self._joined_task: int | None = None
+        self._previous_backward = 0
+        self.stepper: Step | None = None
+        """While set (:class:`storm_compile.weights.streaming.OverlappedOptimizer`), each streamed
+        parameter is stepped once its gradient is complete."""
+        self.cycles = Cycles()
+        self.backwards = 0
+        """Backwards that brought streamed gradients since the last optimizer step over
+        streamed parameters."""
+        self._carried = False
+        self._stepping = False
+        self._unguarded = False
+        self._deferring = 0
+        self._read_after: int | None = None
+        self._in_step = 0
+        self._steps_streamed = False
+        self._warned_pinning = False
+        self._warned_reads: set[int] = set()
+
+    def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._d2h:
+            self._d2h[device] = torch.cuda.Stream(device=device)
+        return self._d2h[device]
+
+    def h2d_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._h2d:
+            self._h2d[device] = torch.cuda.Stream(device=device)
+        return self._h2d[device]
+
+    def launch_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
+                    device: torch.device, host_reads: bool = False) -> None:
+        """Copy ``src`` into ``dst`` on ``stream``, after all the compute stream has queued;
+        ``host_reads``: the host reads ``dst`` after it (:meth:`accumulate`)."""
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        host_source = src.data_ptr() if src.device.type == "cpu" else None
+        self._launched[dst.data_ptr()] = LaunchedCopy(stream, device, host_reads, host_source)
+
+    def record(self, tensor: torch.Tensor) -> None:
+        """Record the completion event of the copy that produced ``tensor``, if one is pending."""
+        launched = self._launched.pop(tensor.data_ptr(), None)
+        if launched is None:
+            return
+        event = torch.cuda.Event()
+        event.record(launched.stream)
+        self._events[tensor.data_ptr()] = PendingCopy(event, launched.device)
+        if launched.host_reads:
+            self._host_events[tensor.data_ptr()] = event
+        if launched.host_source is not None:
+            self._host_reads[launched.host_source] = event
+
+    def watch_optimizers(self) -> None:
+        """Follow every optimizer step from now on (idempotent)."""
+        if self._optimizer_hooks is None:
+            self._optimizer_hooks = (
+                register_optimizer_step_pre_hook(self._before_optimizer_step),
+                register_optimizer_step_post_hook(self._after_optimizer_step))
+
+    def note_host_write(self) -> None:
+        """A streamed parameter's ``.data`` was read or replaced: a write through it moves no
+        version counter, so every device copy kept of a host weight is copied again before its
+        next read."""
+        self._host_writes += 1
+
+    def mirror(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The device copy of ``host`` kept across calls, copied again when ``host`` may have
+        changed since: an optimizer stepped (fused optimizers update parameters without
+        moving their version counters), its version counter moved (``load_state_dict``,
+        ``copy_`` and other in-place writes), a streamed parameter's ``.data`` was touched
+        (:meth:`note_host_write`) or its data was replaced; the caller reads it after the
+        current stream's queued work."""
+        self.watch_optimizers()
+        state = (self._optimizer_steps, self._host_writes, host._version, host.data_ptr(),
+                 device)
+        kept = self._mirrors.get(host)
+        if kept is not None and kept[1] == state:
+            return kept[0]
+        copy = kept[0] if kept is not None and kept[0].device == device \
+            else torch.empty_like(host, device=device)
+        copy.copy_(host, non_blocking=host.is_pinned())
+        self._mirrors[host] = (copy, state)
+        return copy
+
+    def wait(self, tensor: torch.Tensor) -> None:
+        """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""
+        pending = self._events.pop(tensor.data_ptr(), None)
+        if pending is not None:
+            torch.cuda.current_stream(pending.device).wait_event(pending.event)
+
+    def accumulate(self, x: torch.Tensor, param: torch.Tensor) -> None:
+        """Add host tensor ``x`` into ``param.grad``, after the copy that produced ``x``
+        (launched with ``host_reads``) when one is pending, without blocking the caller, when
+        the running backward accumulates into ``param`` (:meth:`_accumulates`); with a
+        :attr:`stepper`, or in the backward that :mod:`storm_compile.runtime.cycles` learned to be a
+        step's last, step ``param`` once its gradient is complete and no copy launched from it
+        is still reading it."""
+        event = self._host_events.pop(x.data_ptr(), None)
+        if not self._accumulates(param):
+            return
+        self._carried = True
+        self._unguarded = self._unguarded or not getattr(param, "storm_streamed", False)
+        stepper = self.stepper or self._learned_stepper(param)
+        step = None if stepper is None else functools.partial(self._step, stepper)
+        self._stepping = self._stepping or step is not None
+        self._adder.add(x, param, event, step)
+
+    def _accumulates(self, param: torch.Tensor) -> bool:
+        """Whether the running backward accumulates into ``param.grad``: not in
+        ``backward(inputs=...)`` or ``torch.autograd.grad`` over other tensors. Raises
+        :class:`StormAutogradError` where the engine would hand the gradient to someone else:
+        ``torch.autograd.grad`` over ``param``, or a hook registered on it with
+        ``register_hook``."""
+        if param._backward_hooks:
+            raise StormAutogradError(
+                f"storm: a hook registered with register_hook on a streamed parameter (shape "
+                f"{tuple(param.shape)}) would receive None, since its gradient reaches .grad on "
+                f"storm's host thread; use register_post_accumulate_grad_hook, which sees the "
+                f"whole .grad")
+        if _current_backward() is None:
+            return True
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        try:
+            return will_engine_execute_node(node)
+        except RuntimeError:
+            raise StormAutogradError(
+                f"storm: torch.autograd.grad cannot return the gradient of a streamed parameter "
+                f"(shape {tuple(param.shape)}): it reaches .grad on storm's host thread; call "
+                f"backward() (inputs= works) and read .grad") from None
+
+    def _learned_stepper(self, param: torch.Tensor) -> Step | None:
+        """The optimizer step of ``param`` when this backward is its step's last
+        (:mod:`storm_compile.runtime.cycles`). Raises :class:`StormOverlapError` when ``param`` was
+        stepped in an earlier backward of this step."""
+        owner = self.cycles.owner(param)
+        if owner is None:
+            return None
+        optimizer, cycle = owner
+        stepped_after = cycle.stepped.get(id(param))
+        if stepped_after is not None and stepped_after < self.backwards:
+            raise StormOverlapError(
+                f"storm: a backward brought a gradient to a streamed parameter (shape "
+                f"{tuple(param.shape)}) that its optimizer already stepped during backward "
+                f"{stepped_after + 1} of this step, the last one before each optimizer.step() "
+                f"so far: call storm_compile.overlap_optimizer(optimizer, "
+                f"backwards_per_step=...) with the real count, or enabled=False")
+        if cycle.final_backward() != self.backwards:
+            return None
+        cycle.stepped[id(param)] = self.backwards
+        return functools.partial(step_parameter, optimizer)
+
+    def grad_cleared(self) -> None:
+        """A streamed parameter's ``.grad`` was set to None off the host thread and outside an
+        optimizer step (``zero_grad``): the backwards counted towards the next step start
+        again from zero, so a backward run without a step since (an evaluation's, an aborted
+        step's) does not shift what :mod:`storm_compile.runtime.cycles` learns."""
+        if not self._adder.on_thread() and not self._in_step:
+            self.backwards = 0
+
+    def read_grad(self, param: torch.Tensor) -> None:
+        """``param``'s ``.grad`` is about to be read off the host thread: wait for its pending
+        additions (raising the first error one hit). Raises :class:`StormOverlapError` when
+        ``param`` was stepped during a backward of this step, whose gradient is gone; outside
+        an optimizer step, a read after a backward is remembered, so that its optimizer is not
+        stepped during the backward (:mod:`storm_compile.runtime.cycles`)."""
+        if self._adder.on_thread():
+            return
+        self._adder.settle()
+        if self._in_step:
+            return
+        owner = self.cycles.owner(param)
+        if owner is not None and id(param) in owner[1].stepped:
+            raise StormOverlapError(
+                f"storm: the gradient of a streamed parameter (shape {tuple(param.shape)}) was "
+                f"read after its optimizer stepped it during the last backward; to read or "
+                f"clip gradients before optimizer.step(), call "
+                f"storm_compile.overlap_optimizer(optimizer, enabled=False)")
+        if self.backwards:
+            self._read_after = self.backwards
+
+    def _step(self, stepper: Step, param: torch.Tensor) -> None:
+        reading = self._host_reads.pop(param.data_ptr(), None)
+        if reading is not None:
+            reading.synchronize()
+        stepper(param)
+
+    def wait_host(self) -> None:
+        """At the end of the autograd engine's backward pass, or now outside one: wait for
+        the additions of the backward before this one, or, when this backward steps parameters
+        or added into one whose ``.grad`` does not wait for its additions (not a
+        :class:`~storm_compile.weights.streaming.HostParameter`) outside :meth:`deferred`, for every
+        addition and step. A backward of several graphs (graph breaks) launches them
+        all before the host waits, and the steps know every gradient they wait for."""
+        task = _current_backward()
+        if task is None:
+            self._end_of_backward()
+        elif task != self._joined_task:
+            self._joined_task = task
+            execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._joined_task = None
+        if self._stepping or (self._unguarded and not self._deferring):
+            self._adder.join()
+        else:
+            self._adder.wait_for(self._previous_backward)
+            self._previous_backward = self._adder.handed_over()
+        self.backwards += self._carried
+        self._carried = self._stepping = self._unguarded = False
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A block whose end waits for every addition of the backwards in it, and whose
+        backwards leave their own additions to the next, also for parameters whose ``.grad``
+        does not wait for them (see
+        :func:`storm_compile.weights.streaming.gradient_accumulation`)."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            self._adder.join()
+
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Every addition done before any step off the host thread; the step's streamed
+        parameters told to :mod:`storm_compile.runtime.cycles`, with a warning when their gradients
+        were read after the last backward while it learns. A step given a closure runs a
+        backward of its own after this hook (Lightning steps so), so storm cannot count the
+        step's backwards, and stops stepping that optimizer's parameters during them."""
+        if self._adder.on_thread():
+            return
+        self._adder.join()
+        self._in_step += 1
+        streamed = streamed_parameters(optimizer)
+        self._steps_streamed = bool(streamed)
+        cycle = self.cycles.observe(optimizer, streamed, self.backwards)
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is optimizer
+        if cycle is not None and closure is not None:
+            cycle.enabled = False
+            return
+        if cycle is None or self._read_after != self.backwards or not self.backwards:
+            return
+        if cycle.enabled and cycle.backwards_per_step is None:
+            cycle.enabled = False
+            if id(optimizer) not in self._warned_reads:
+                self._warned_reads.add(id(optimizer))
+                warnings.warn(
+                    f"storm: the gradients of streamed parameters are read between the last "
+                    f"backward and {type(optimizer).__name__}.step() (gradient clipping, a grad "
+                    f"scaler, logging), so this optimizer steps them after the backward "
+                    f"instead of during it", RuntimeWarning, stacklevel=2)
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self._optimizer_steps += 1
+        if self._adder.on_thread():
+            return
+        self._in_step -= 1
+        if self._steps_streamed:
+            self.backwards = 0
+            self._read_after = None
+
+    def warn_pinning_failed(self, nbytes: int, limit: int) -> None:
+        if not self._warned_pinning:
+            self._warned_pinning = True
+            warnings.warn(
+                f"storm: could not pin {nbytes} more bytes of host memory (pool holds "
+                f"{self.pool.reserved_bytes} of a {limit}-byte limit); activations that do not "
+                f"fit stay on the GPU and gradients that do not go home synchronously. Raise "
+                f"host_memory_limit or free host memory.",
+                RuntimeWarning, stacklevel=2)
+
+
+_RUNTIME = TransferRuntime()
+
+
+def get_runtime() -> TransferRuntime:
+    """The process's transfer runtime (it touches CUDA only when a copy is launched)."""
+    return _RUNTIME

@@ -1,0 +1,1 @@
+"""Parameters kept in host memory and read on the device through a copy in the traced graph, and the 8- and 4-bit host formats of frozen ones."""

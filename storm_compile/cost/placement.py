@@ -215,43 +215,68 @@ def _fits(flight: _InFlight, issue: int, nbytes: int, window: int) -> bool:
     return flight.peak(issue) + nbytes <= window
 
 
+def _clear_of(reserved: Sequence[tuple[float, float]], end: float, length: float) -> float:
+    """The latest end, at or before ``end``, of a copy of ``length`` seconds that overlaps none
+    of the ``reserved`` (start, end) spans of the lane (disjoint, sorted by start)."""
+    for start, stop in reversed(reserved):
+        if start >= end:
+            continue
+        if stop <= end - length:
+            return end
+        end = start
+    return end
+
+
 def _h2d(gm: fx.GraphModule, line: _Timeline, requests: Sequence[_Request],
          required: set[fx.Node], ctx: PassContext) -> dict[fx.Node, _Prefetch | Unplaced]:
-    """Latest-first list scheduling on the H2D lane: copies are taken from the last read to
-    the first, and each is placed to end ``PREFETCH_SLACK_FRACTION`` of its duration before
-    its first read, or before the next copy on the lane starts, whichever is earlier; it is
-    issued after the last compute node that ends before that start. A copy in ``required``
-    that would pass ``prefetch_window_bytes`` there is issued later instead, after the first
-    compute node from which it fits (a streamed weight waits for room rather than filling the
-    device with the whole model's weights when the link cannot keep up)."""
+    """Latest-first list scheduling on the H2D lane, the copies in ``required`` first: copies
+    are taken from the last read to the first, and each is placed to end
+    ``PREFETCH_SLACK_FRACTION`` of its duration before its first read, or before the next copy
+    on the lane starts, whichever is earlier; it is issued after the last compute node that
+    ends before that start. A copy in ``required`` that would pass ``prefetch_window_bytes``
+    there is issued later instead, after the first compute node from which it fits (a streamed
+    weight waits for room rather than filling the device with the whole model's weights when
+    the link cannot keep up). The other copies then take only the lane time the required ones
+    leave: a prefetch that hides by pushing a streamed weight's fetch early or late does not
+    hide (when the link is the bound, every activation offloaded would otherwise look free
+    while the weights it displaced ran late)."""
     inputs_end = max(line.order[n] for n in gm.graph.find_nodes(op="placeholder"))
     placed: dict[fx.Node, _Prefetch | Unplaced] = {}
-    lane_start, intervals = float("inf"), []
+    intervals, reserved = [], []
     window = ctx.prefetch_window_bytes
-    for request in sorted(requests, key=lambda r: line.order[r.first_read], reverse=True):
-        root, use, nbytes = request.key, request.first_read, request.nbytes
-        copy = ctx.cost.transfer_seconds(nbytes, Lane.H2D)
-        copy_start = min(line.start[use] - PREFETCH_SLACK_FRACTION * copy, lane_start) - copy
-        position = min(bisect.bisect_right(line.compute_end, copy_start),
-                       line.first_compute_from(line.order[use])) - 1
-        point = line.compute[position] if position >= 0 else None
-        issue = inputs_end if point is None else line.order[point]
-        late = max(0.0, -copy_start - PREFETCH_SLACK_FRACTION * copy)
-        flight = _InFlight(intervals, line.order[use])
-        fits = _fits(flight, issue, nbytes, window)
-        if root not in required and (late > 0 or not fits):
-            placed[root] = Unplaced(Lane.H2D, use, late, None if late > 0 else window)
-            continue
-        last = line.first_compute_from(line.order[use]) - 1
-        while not fits and position < last:
-            position += 1
-            point = line.compute[position]
-            issue = line.order[point]
-            copy_start = line.end[point]
+    latest_first = sorted(requests, key=lambda r: line.order[r.first_read], reverse=True)
+    for placing_required in (True, False):
+        lane_start = float("inf")
+        reserved.sort()
+        for request in latest_first:
+            root, use, nbytes = request.key, request.first_read, request.nbytes
+            if (root in required) is not placing_required:
+                continue
+            copy = ctx.cost.transfer_seconds(nbytes, Lane.H2D)
+            copy_end = min(line.start[use] - PREFETCH_SLACK_FRACTION * copy, lane_start)
+            copy_start = _clear_of(reserved, copy_end, copy) - copy
+            position = min(bisect.bisect_right(line.compute_end, copy_start),
+                           line.first_compute_from(line.order[use])) - 1
+            point = line.compute[position] if position >= 0 else None
+            issue = inputs_end if point is None else line.order[point]
+            late = max(0.0, -copy_start - PREFETCH_SLACK_FRACTION * copy)
+            flight = _InFlight(intervals, line.order[use])
             fits = _fits(flight, issue, nbytes, window)
-        lane_start = max(copy_start, 0.0)
-        placed[root] = _Prefetch(point, line.start[use] - (lane_start + copy))
-        intervals.append((issue, line.order[use], nbytes))
+            if not placing_required and (late > 0 or not fits):
+                placed[root] = Unplaced(Lane.H2D, use, late, None if late > 0 else window)
+                continue
+            last = line.first_compute_from(line.order[use]) - 1
+            while not fits and position < last:
+                position += 1
+                point = line.compute[position]
+                issue = line.order[point]
+                copy_start = line.end[point]
+                fits = _fits(flight, issue, nbytes, window)
+            lane_start = max(copy_start, 0.0)
+            placed[root] = _Prefetch(point, line.start[use] - (lane_start + copy))
+            intervals.append((issue, line.order[use], nbytes))
+            if placing_required:
+                reserved.append((lane_start, lane_start + copy))
     return placed
 
 

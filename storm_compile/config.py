@@ -217,8 +217,9 @@ class StormConfig:
     host_memory_limit: int = 0
     """Cap on pinned host memory held by the pool, in bytes (strings like ``"64GiB"`` accepted).
     0 means half of physical RAM, shared equally among the processes on the machine
-    (``LOCAL_WORLD_SIZE`` under torchrun). An offload that would pass the cap keeps its tensor on
-    the GPU and warns once."""
+    (``LOCAL_WORLD_SIZE`` under torchrun). A step's planned offloads hold at most this much:
+    past it the planner recomputes or keeps (``plan_memory``). An offload the host still cannot
+    pin at run time keeps its tensor on the GPU and warns once."""
 
     transfer_cpu_tensors: bool = False
     """Also plan and insert transfers for activations of CPU models, where the ops become plain

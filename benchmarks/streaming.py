@@ -8,18 +8,15 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
   with Inductor, no memory cap (the reference).
 * ``storm``: the plain loop (``backward()`` per micro-batch, ``optimizer.step()``,
   ``zero_grad()``). :func:`~storm_compile.weights.streaming.stream_parameters` keeps the parameters
-  of
-  1 MiB or more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``,
+  of 1 MiB or more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``,
   AdamW on the host; the process's GPU memory capped at ``--cap-gib`` with
   ``torch.cuda.set_per_process_memory_fraction``. Storm learns the loop
   (:mod:`storm_compile.runtime.cycles`) in the untimed step and the first timed one; where the
-  number of
-  micro-batches changes between points, the run says so with
+  number of micro-batches changes between points, the run says so with
   :func:`~storm_compile.weights.streaming.overlap_optimizer`, which starts the learning afresh.
 * ``storm-explicit``: ``storm`` with the constructs that say up front what storm would learn:
   :class:`~storm_compile.weights.streaming.OverlappedOptimizer` around the last micro-batch's
-  backward
-  and the micro-batches in :func:`~storm_compile.weights.streaming.gradient_accumulation`.
+  backward and the micro-batches in :func:`~storm_compile.weights.streaming.gradient_accumulation`.
 * ``fsdp2-offload``: ``fully_shard`` on every block and the root with ``CPUOffloadPolicy`` on a
   one-rank process group (torch's hook-based offload), eager, AdamW on the host, same cap;
   gradient accumulation as FSDP2 documents it: ``set_requires_gradient_sync(False)`` for every
@@ -41,15 +38,14 @@ Two parts, both optional:
   point's untimed step compiles): tokens/s and, when ``compile`` is listed, the ratio to its
   tokens/s, achieved TFLOP/s (model FLOPs: 6 per parameter per token plus causal attention's
   6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory,
-  the seconds the method's setup (model, streaming, optimizer) and each point's untimed step
-  took,
-  and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches'
-  forward and backward, the host thread's additions and the host AdamW, overlapped or after,
-  as :func:`storm_compile.cost.simulate.predict_step` predicts it) with where it predicts the step
+  the seconds the method's setup (model, streaming, optimizer) and each point's untimed step took,
+  and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches' forward
+  and backward, the host thread's additions and the host AdamW, overlapped or after, as
+  :func:`storm_compile.cost.simulate.predict_step` predicts it) with where it predicts the step
   waits: on copies (exposed transfers) and on the host (additions and optimizer), its predicted
-  device peak (the largest of its graphs'), and in ``results.json`` the ops it predicts the
-  most compute time for; with ``--profile``, one more step of the listed methods traced, and
-  where its compute stream sat idle.
+  device peak (the largest of its graphs'), and in ``results.json`` the ops it predicts the most
+  compute time for; with ``--profile``, one more step of the listed methods traced, and where its
+  compute stream sat idle.
 
     python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
         [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]

@@ -1,7 +1,6 @@
 """Graph passes of storm-compile, run in order by :mod:`storm_compile.compiler.pipeline`: the
-joint-graph
-passes (``refetch_weights``, ``sum_tied_gradients``) before the split, then the passes on the
-forward and backward pair."""
+joint-graph passes (``refetch_weights``, ``sum_tied_gradients``) before the split, then the passes
+on the forward and backward pair."""
 
 from storm_compile.passes.annotate_costs import annotate_costs
 from storm_compile.passes.insert_transfers import insert_transfers

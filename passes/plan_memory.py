@@ -43,17 +43,13 @@ cannot take what must leave the device, ``StormBudgetError`` names ``host_memory
 The offloads' pinned bytes are recorded in the step's ledger. Byte and fraction budgets
 are the step's, shared with the step's other graphs through ``ctx.step``
 (:mod:`storm_compile.planner.step_budget`), which raises ``StormBudgetError`` (a ``ValueError``)
-only
-when a byte budget is below the step's minimum; every plan is recorded there. In a graph that
+only when a byte budget is below the step's minimum; every plan is recorded there. In a graph that
 streams weights (:mod:`storm_compile.weights.streaming`) a byte budget first pays for the weights
-the
-device holds (:class:`~storm_compile.weights.streaming.DeviceWeights`: resident inputs, the prefetch
-window, the largest streamed weight) and the rest bounds activations; a budget below that plus
-the activations that cannot move raises ``StormBudgetError`` naming the largest weight. Graphs
-with no
-tensor where storm plans (CPU-only, without ``transfer_cpu_tensors``) are planned as without a
-budget.
-Emits: no nodes; only decisions change.
+the device holds (:class:`~storm_compile.weights.streaming.DeviceWeights`: resident inputs, the
+prefetch window, the largest streamed weight) and the rest bounds activations; a budget below that
+plus the activations that cannot move raises ``StormBudgetError`` naming the largest weight. Graphs
+with no tensor where storm plans (CPU-only, without ``transfer_cpu_tensors``) are planned as without
+a budget. Emits: no nodes; only decisions change.
 """
 
 from __future__ import annotations

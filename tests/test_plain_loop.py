@@ -1,8 +1,7 @@
 """The loop people write over streamed parameters: ``backward()`` per micro-batch, then
 ``optimizer.step()`` and ``zero_grad()``. It trains as the unstreamed model does, takes the fast
 path by itself once storm has learned it (:mod:`storm_compile.runtime.cycles`), and every other
-route to
-a streamed parameter (``.data``, ``copy_``, ``load_state_dict``, hooks, ``autograd.grad``,
+route to a streamed parameter (``.data``, ``copy_``, ``load_state_dict``, hooks, ``autograd.grad``,
 ``backward(inputs=...)``) is either right or a one-line error."""
 
 import warnings

@@ -211,10 +211,8 @@ def _tokens(model: str, shape: dict[str, object]) -> int | None:
 
 def planning_context(stages: bool = False, **options: object) -> PassContext:
     """What ``storm schedule`` and ``storm pareto`` plan with: the storm ``options`` on top of
-    :data:`~storm_compile.config.CPU_PLANNING` (graphs are traced, never run), and the cost
-    model
-    of their ``profile``, resolved by :func:`~storm_compile.cost.calibrate.profile_for` as the
-    backend
+    :data:`~storm_compile.config.CPU_PLANNING` (graphs are traced, never run), and the cost model of
+    their ``profile``, resolved by :func:`~storm_compile.cost.calibrate.profile_for` as the backend
     resolves it, except that ``auto`` without CUDA is the GPU it plans for,
     :data:`~storm_compile.cost.profiles.GPU_PLANNING_PROFILE`; with ``stages``, each pass record
     keeps the code of the graphs it left. Raises :class:`StormOptionError` for a bad option or
@@ -231,12 +229,11 @@ def plan_model(model: str, ctx: PassContext, stream: bool = False, lora: int | N
     ``path/to/file.py:factory``) forward and backward with fake tensors, and run storm's passes
     on its one graph pair with ``ctx``; with ``stream``, its parameters are streamed from host
     memory first (:func:`~storm_compile.weights.streaming.stream_parameters`), the frozen ones held
-    in
-    ``host_format``; with ``lora``, the model is frozen and given adapters of that rank on every
+    in ``host_format``; with ``lora``, the model is frozen and given adapters of that rank on every
     linear layer first (:func:`~storm_compile.cli.models.add_lora`). Each pass run is in the
-    result's ``records``. The graphs are lazy graph modules: their Python code, which nothing
-    here runs, is generated only if read. Raises :class:`ModelSpecError` for a model that cannot
-    be built or traced."""
+    result's ``records``. The graphs are lazy graph modules: their Python code, which nothing here
+    runs, is generated only if read. Raises :class:`ModelSpecError` for a model that cannot be built
+    or traced."""
     captured: list[StormGraphs] = []
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     module, inputs = _build(model, shape, fake_mode)

@@ -1,1 +1,2 @@
-"""From options to compiled graphs: the configuration record, the pipeline and its budget search, the torch.compile backend, the Inductor scheduler pass and the plan shared across ranks."""
+"""From options to compiled graphs: the pipeline and its budget search, the torch.compile
+backend, and the Inductor scheduler pass that keeps copies in place."""

@@ -50,8 +50,7 @@ log = logging.getLogger("storm_compile")
 
 SPLIT_POSITION = 2
 """Index in a :data:`~storm_compile.planner.step_budget.GraphId` of the graph's position in its
-frame's
-compilation: above 0 only when a frame made several graphs, which DDPOptimizer does (a graph
+frame's compilation: above 0 only when a frame made several graphs, which DDPOptimizer does (a graph
 break resumes in a new frame)."""
 
 KEPT_WHOLE = frozenset({torch.ops.aten.embedding_dense_backward.default})
@@ -95,8 +94,7 @@ class StormPartitioner(CustomPartitionerFn):
         set by the backend before each compile; empty without a budget."""
         self.record_key: str | None = None
         """Where the next graph's :class:`~storm_compile.planner.plan_cache.PlanRecord` goes, set by
-        the
-        backend before each compile; None when the graph cannot be cached."""
+        the backend before each compile; None when the graph cannot be cached."""
         self._uncached = f"storm-uncached-{uuid4()}"
 
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs: Any):

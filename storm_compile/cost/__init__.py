@@ -1,1 +1,2 @@
-"""What a step costs: device profiles and their calibration, the cost model, the simulator and what it predicts, and where copies go on its timeline."""
+"""What a step costs: device profiles and their calibration, the cost model, the simulator, and
+where copies go on its timeline."""

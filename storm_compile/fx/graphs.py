@@ -174,9 +174,8 @@ class Limits:
     are never rewritten: to fit a streamed graph's device peak under a byte budget, or to trade
     activations for weights kept on the device, the planner's search
     (:func:`storm_compile.compiler.pipeline.plan_within_budget`) plans with a lower byte budget and
-    a
-    smaller prefetch window; where the partitioner rejects the planned recomputation, the graph
-    is planned without. None: the user's option."""
+    a smaller prefetch window; where the partitioner rejects the planned recomputation, the graph is
+    planned without. None: the user's option."""
 
     memory_budget: int | None = None
     prefetch_window_bytes: int | None = None

@@ -4,8 +4,7 @@ AOTAutograd's cache (and, under it, Inductor's FX graph cache) gives a later pro
 compiled forward and backward of a graph without calling storm's partitioner: the rewritten
 graphs are the plan, so they need nothing more to run. Planning did two things besides: it
 recorded the graph's :class:`~storm_compile.planner.step_budget.GraphShare` in the step's ledger
-(the
-graphs compiled after it plan against it, and a byte budget counts it at run time), and it may
+(the graphs compiled after it plan against it, and a byte budget counts it at run time), and it may
 have warned. A :class:`PlanRecord` keeps both in a small JSON file beside torch's cache entries,
 under :data:`RECORD_DIR` of Inductor's cache directory, and the backend replays it on a hit.
 

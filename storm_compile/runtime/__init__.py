@@ -1,1 +1,2 @@
-"""What runs beside the compiled graphs: the typed transfer ops, their copy streams, pinned host pool and host thread, and what storm learns of the training loop."""
+"""What runs beside the compiled graphs: the typed transfer ops, their copy streams, pinned host
+pool and host thread, what storm learns of the training loop, and the same plan on every rank."""

@@ -21,14 +21,13 @@ On CPU tensors offload and prefetch are plain copies and the event ops do nothin
 carrying them run, and are tested, without a GPU.
 
 A streamed parameter (:mod:`storm_compile.weights.streaming`) lives in host memory and is read
-through
-``storm.fetch_weight(w, device)``, a copy to the device whose gradient is
-``storm.grad_to_host(grad, w)``: a copy to ``w``'s device added into ``w.grad`` (set when it
-is None), as the autograd engine would have accumulated it. Both are ordinary copies on the
-current stream, so a streamed model is correct in eager mode and under any backend. In a storm
-graph, fetches become prefetches (above), and each gradient's copy home is sent on the D2H
-stream as soon as the gradient is produced and added into ``w.grad`` by a host thread once the
-copy is done, while the GPU runs on::
+through ``storm.fetch_weight(w, device)``, a copy to the device whose gradient is
+``storm.grad_to_host(grad, w)``: a copy to ``w``'s device added into ``w.grad`` (set when it is
+None), as the autograd engine would have accumulated it. Both are ordinary copies on the current
+stream, so a streamed model is correct in eager mode and under any backend. In a storm graph,
+fetches become prefetches (above), and each gradient's copy home is sent on the D2H stream as soon
+as the gradient is produced and added into ``w.grad`` by a host thread once the copy is done, while
+the GPU runs on::
 
     h  = storm.send_grad(g, host_limit) # D2H stream waits on compute, copies g into a pinned buffer
     h1 = storm.record_event(h)

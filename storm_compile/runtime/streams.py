@@ -591,9 +591,8 @@ class TransferRuntime:
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         """A block whose end waits for every addition of the backwards in it, and whose
-        backwards leave their own additions to the next, also for parameters whose ``.grad``
-        does not wait for them (see
-        :func:`storm_compile.weights.streaming.gradient_accumulation`)."""
+        backwards leave their own additions to the next, also for parameters whose ``.grad`` does
+        not wait for them (see :func:`storm_compile.weights.streaming.gradient_accumulation`)."""
         self._deferring += 1
         try:
             yield

@@ -73,9 +73,8 @@ class HostParameter(nn.Parameter):
     * ``.grad`` waits for the gradient additions still running on storm's host thread (a
       backward returns before they are done), and raises
       :class:`~storm_compile.runtime.cycles.StormOverlapError` when the parameter was already
-      stepped
-      during the backward (:mod:`storm_compile.runtime.cycles`); setting it to None (``zero_grad``)
-      starts a new count of backwards;
+      stepped during the backward (:mod:`storm_compile.runtime.cycles`); setting it to None
+      (``zero_grad``) starts a new count of backwards;
     * ``.data``, read or replaced, makes every device copy kept of a host weight be copied again
       before its next read: writes through ``.data`` move no version counter.
     """
@@ -356,15 +355,13 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
 
     ``host_format`` holds frozen streamed parameters (``requires_grad=False``) in 8 or 4 bits
     (``"int8"``, ``"nf4"``; :mod:`storm_compile.weights.quantize`): for the whole model, or per
-    module
-    (:data:`HostFormats`). Their packed bytes cross the link and are rebuilt on the device; the
-    model computes with the rebuilt weights, and ``state_dict`` gives them (and
+    module (:data:`HostFormats`). Their packed bytes cross the link and are rebuilt on the device;
+    the model computes with the rebuilt weights, and ``state_dict`` gives them (and
     ``load_state_dict`` packs what it is given). Trainable parameters keep their dtype
-    (:attr:`Streamed.formats` lists what was packed); a module named in a ``host_format`` dict
-    whose own parameter trains raises :class:`~storm_compile.weights.quantize.StormQuantizeError`,
-    as
-    does a weight the format cannot hold (fewer than 2 dimensions; for nf4, a size not a
-    multiple of its block).
+    (:attr:`Streamed.formats` lists what was packed); a module named in a ``host_format`` dict whose
+    own parameter trains raises :class:`~storm_compile.weights.quantize.StormQuantizeError`, as does
+    a weight the format cannot hold (fewer than 2 dimensions; for nf4, a size not a multiple of its
+    block).
 
     A model built on the meta device is materialised one parameter at a time from ``weights``
     (a mapping from ``named_parameters`` names to tensors, such as :func:`checkpoint_weights`
@@ -514,11 +511,10 @@ def overlap_optimizer(optimizer: torch.optim.Optimizer, enabled: bool = True, *,
     parameter as soon as its gradient is complete, while the GPU finishes that backward.
     ``enabled=False`` keeps every step in ``optimizer.step()`` (for a loop that reads or clips
     the gradients before it only now and then); ``backwards_per_step`` states the count, trusted
-    from the first step, counted from this call or the last ``zero_grad``. Each call forgets
-    what was learned: call it when the number of
-    backwards per step changes, since a learned count that grows is an error (a parameter
-    stepped during a backward that turned out not to be the last cannot be stepped back).
-    Raises ``ValueError`` for a count below 1, or for an optimizer storm
+    from the first step, counted from this call or the last ``zero_grad``. Each call forgets what
+    was learned: call it when the number of backwards per step changes, since a learned count that
+    grows is an error (a parameter stepped during a backward that turned out not to be the last
+    cannot be stepped back). Raises ``ValueError`` for a count below 1, or for an optimizer storm
     cannot step one parameter at a time (:data:`storm_compile.runtime.cycles.OVERLAPPABLE`)."""
     if backwards_per_step is not None and (isinstance(backwards_per_step, bool) or not
                                            isinstance(backwards_per_step, int)

@@ -40,16 +40,18 @@ or ``recompute``, with the :class:`~storm_compile.fx.plan.Figures` that decided 
 kept one why it was held (``Held``, or the ``Unplaced`` reason its copies cannot hide).
 Predicted activation memory is at most the target when one is given; when the host's room
 cannot take what must leave the device, ``StormBudgetError`` names ``host_memory_limit``.
-The offloads' pinned bytes are recorded in the step's ledger. Byte and fraction budgets
-are the step's, shared with the step's other graphs through ``ctx.step``
-(:mod:`storm_compile.planner.step_budget`), which raises ``StormBudgetError`` (a ``ValueError``)
-only when a byte budget is below the step's minimum; every plan is recorded there. In a graph that
-streams weights (:mod:`storm_compile.weights.streaming`) a byte budget first pays for the weights
-the device holds (:class:`~storm_compile.weights.streaming.DeviceWeights`: resident inputs, the
-prefetch window, the largest streamed weight) and the rest bounds activations; a budget below that
-plus the activations that cannot move raises ``StormBudgetError`` naming the largest weight. Graphs
-with no tensor where storm plans (CPU-only, without ``transfer_cpu_tensors``) are planned as without
-a budget. Emits: no nodes; only decisions change.
+``graphs.share`` is the graph's part of the step as planned (bytes held, minimum, time spent,
+pinned host bytes); the pass reads the step's other graphs only through ``ctx.others``
+(:class:`~storm_compile.planner.step_budget.StepView`), never writes the step's ledger, and
+raises ``StormBudgetError`` (a ``ValueError``) only when a byte budget is below the step's
+minimum. In a graph that streams weights (:mod:`storm_compile.weights.streaming`) a byte
+budget first pays for the weights the device holds
+(:class:`~storm_compile.weights.streaming.DeviceWeights`: resident inputs, the prefetch window,
+the largest streamed weight) and the rest bounds activations; a budget below that plus the
+activations that cannot move raises ``StormBudgetError`` naming the largest weight. Graphs with
+no tensor where storm plans (CPU-only, without ``transfer_cpu_tensors``) are planned as without
+a budget.
+Emits: no nodes; only decisions change.
 """
 
 from __future__ import annotations
@@ -336,6 +338,8 @@ class _Target:
     goal: Goal
     nbytes: int | None = None
     """Activation bytes to reach (``Goal.BYTES`` only)."""
+    over_bytes: int = 0
+    """How far a byte budget is then exceeded (:attr:`GraphShare.over_bytes`)."""
 
 
 def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
@@ -363,8 +367,8 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
                 f"({(weights.nbytes + minimum) / GIB:.3f} GiB): the device must hold "
                 f"{weights.describe()}, and {minimum} bytes of activations that cannot move")
         budget -= weights.nbytes
-    return _Target(Goal.BYTES, ctx.step.target_bytes(ctx.graph, budget,
-                                                     baseline.activation_bytes, minimum))
+    aim = ctx.others.target_bytes(budget, baseline.activation_bytes, minimum)
+    return _Target(Goal.BYTES, aim.nbytes, aim.over_bytes)
 
 
 def _within(items: list[_Item], allowance: float, room: int
@@ -448,10 +452,10 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     if not first_split:
         minimum = graphs.plan.minimum_bytes
     target = _target(graphs, ctx, baseline, minimum)
-    allowance = (ctx.step.allowance_s(ctx.graph, baseline.step_s, ctx.config.max_overhead)
+    allowance = (ctx.others.allowance_s(baseline.step_s, ctx.config.max_overhead)
                  if target.goal is Goal.AUTO else ctx.config.max_overhead * baseline.step_s)
     need = now.activation_bytes - target.nbytes if target.goal is Goal.BYTES else 0
-    room = ctx.step.host_room(ctx.graph, ctx.config.host_memory_limit)
+    room = ctx.others.host_room(ctx.config.host_memory_limit)
 
     hiding = place(graphs, movable, set(), ctx).storages
     best = None
@@ -498,15 +502,16 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     storages = storages.decided(decisions)
     recomputed = [i for i in taken if i.action is Action.RECOMPUTE]
     earlier_s = 0.0 if first_split else graphs.plan.recompute_s
-    ctx.step.record(ctx.graph, GraphShare(
+    share = GraphShare(
         baseline_bytes=baseline.activation_bytes, minimum_bytes=minimum,
         planned_bytes=now.activation_bytes - sum(i.nbytes for i in taken),
         baseline_step_s=baseline.step_s,
         spent_s=earlier_s + sum(i.cost_s for i in taken),
-        host_bytes=sum(_host_bytes(i) for i in taken if i.action is Action.OFFLOAD)))
+        host_bytes=sum(_host_bytes(i) for i in taken if i.action is Action.OFFLOAD),
+        over_bytes=target.over_bytes if first_split else graphs.share.over_bytes)
     if not first_split:
-        return dataclasses.replace(graphs, storages=storages)
-    return dataclasses.replace(graphs, storages=storages, plan=MemoryPlan(
+        return dataclasses.replace(graphs, storages=storages, share=share)
+    return dataclasses.replace(graphs, storages=storages, share=share, plan=MemoryPlan(
         baseline=baseline, target_bytes=target_bytes, minimum_bytes=minimum,
         recompute=tuple(dict.fromkeys(recompute)),
         recompute_bytes=sum(i.nbytes for i in recomputed),

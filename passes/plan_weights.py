@@ -10,11 +10,11 @@ only under a byte ``memory_budget``, in the forward's order of first read (the e
 have the least compute before them to hide under, and the first of all, an embedding's, none),
 each one that still fits in the smaller of ``ctx.resident_room`` and what the budget leaves once
 the step's planned activations and resident weights, and this graph's resident inputs, are
-paid (:meth:`StepBudget.left_bytes`). A weight kept on the device is held there once, and
+paid (:meth:`StepView.left_bytes`, with ``graphs.share``). A weight kept on the device is held there once, and
 cloned while a graph reads it. A resident weight is copied once per optimizer step instead of
 twice per micro-batch. With no room nothing changes; a second run finds no ``fetch_weight`` left
 of a resident weight and changes nothing (idempotent).
-Emits: no nodes; ``insert_transfers`` reads the list, and the step's ledger records the bytes.
+Emits: no nodes; ``insert_transfers`` reads the list, and ``graphs.share`` holds the bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def plan_weights(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
     if weights is None or ctx.resident_room <= 0:
         return graphs
-    room = min(ctx.step.left_bytes(ctx.graph, budget - weights.resident_bytes),
+    room = min(ctx.others.left_bytes(budget - weights.resident_bytes, graphs.share),
                ctx.resident_room)
     resident = []
     fetches = graphs.forward.graph.find_nodes(op="call_function", target=ops.fetch_weight)
@@ -46,6 +46,6 @@ def plan_weights(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             room -= nbytes
     if not resident:
         return graphs
-    ctx.step.keep_resident(ctx.graph, sum(w.nbytes for w in resident))
-    return dataclasses.replace(graphs, storages=dataclasses.replace(plan,
-                                                                    resident=tuple(resident)))
+    share = dataclasses.replace(graphs.share, resident_bytes=sum(w.nbytes for w in resident))
+    return dataclasses.replace(graphs, share=share, storages=dataclasses.replace(
+        plan, resident=tuple(resident)))

@@ -8,9 +8,9 @@ and the forward nodes between it and the values that stay saved) is tagged
 ``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE`` — the tag selective activation
 checkpointing uses — and the joint graph is split again by the same min-cut partitioner, which
 then saves none of them and rebuilds them in the backward, ordered the way the autograd engine
-would run them. The new pair carries the same ``joint`` and ``plan`` (whose ``recomputed`` keeps the
-recomputed storages' decisions for the report) and no storage plan yet: ``annotate_costs``,
-``plan_offload`` and ``plan_memory`` run again on it.
+would run them. The new pair carries the same ``joint``, ``plan`` (whose ``recomputed`` keeps
+the recomputed storages' decisions for the report) and ``share``, and no storage plan yet:
+``annotate_costs``, ``plan_offload`` and ``plan_memory`` run again on it.
 If the partitioner rejects the tags, they are taken off the joint graph again and
 :class:`RecomputeRejectedError` is raised (the pipeline then plans without recomputation).
 Emits: no storm nodes; the partitioner's recomputation of the tagged nodes in the backward.
@@ -47,4 +47,4 @@ def rematerialize(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                 node.meta[RECOMPUTE_TAG] = tag
         raise RecomputeRejectedError(str(error).strip().splitlines()[0]) from error
     return StormGraphs(forward, backward, graphs.num_fwd_outputs, joint=graphs.joint,
-                       plan=graphs.plan)
+                       plan=graphs.plan, share=graphs.share)

@@ -46,7 +46,7 @@ def run(variant: str) -> dict:
     found = {name: counters[group][name] for group in ("aot_autograd", "inductor")
              for name in COUNTERS if name in counters[group]}
     return {"variant": variant, **found,
-            "shares": repr(sorted(backend.ctx.step._shares.items())),
+            "shares": repr(sorted(backend.step._shares.items())),
             "loss": loss.item(),
             "grads": [p.grad.double().sum().item() for p in model.parameters()
                       if p.grad is not None]}

@@ -136,7 +136,7 @@ def test_a_replayed_record_restores_share_and_warnings(tmp_path, monkeypatch):
     backend = storm(**{**CPU_TEST_OPTIONS, "offload": "hidden", "memory_budget": 0.5})
     with pytest.warns(RuntimeWarning, match="storm: planned over budget"):
         backend._replay("k")
-    assert backend.ctx.step.share(backend.ctx.step.last) == share
+    assert backend.step.share(backend.step.last) == share
 
 
 CONVENTION_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "memory_budget": 0.5}
@@ -148,7 +148,7 @@ def test_options_work_as_storm_options():
                                                                 options=CONVENTION_OPTIONS))
     variant = _default_backend().variant(None, dict(CONVENTION_OPTIONS))
     assert variant.config == storm(**CONVENTION_OPTIONS).config
-    assert variant.ctx.step.last is not None
+    assert variant.step.last is not None
     torch.testing.assert_close(storm_loss, eager_loss)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(storm_grads[name], grad)

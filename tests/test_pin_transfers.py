@@ -196,13 +196,11 @@ def test_golden_prefetches_breadth_first_at_the_top_go_back_to_their_anchors():
         "a", "p", "p_out", "wt", "c", "p2", "p2_out", "wt2", "d", "s"]
 
 
-def test_golden_a_resident_weights_copy_and_dequantization_go_back_to_their_anchor():
-    """Inductor runs a resident weight's copy and what computes only on it and on constants
-    (here ``q``, as a quantized weight's dequantization, with ``book`` its code book's copy)
-    first, as they read no activation: they and the next
-    prefetch, whose FX anchor they would otherwise be, go back after ``a``, where storm put
-    them (the 70B forward otherwise prefetched every layer's weights before its first
-    matmul)."""
+def _resident_weight_graph() -> tuple[fx.Graph, dict[str, fx.Node], dict[str, _SNode]]:
+    """``a = relu(x)``, the code book's copy ``book``, a resident weight's copy ``r`` and ``q``
+    computing on both (as a quantized weight's dequantization), the next weight's prefetch
+    ``p2``, ``c = mm(a, q)``, its wait ``wt2`` and ``d = mm(c, wt2)``, in that FX order; one
+    scheduler node per call but ``book``'s."""
     graph = fx.Graph()
     x, w, w2 = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("w2")
     a = graph.call_function(aten.relu.default, (x,), name="a")
@@ -215,11 +213,23 @@ def test_golden_a_resident_weights_copy_and_dequantization_go_back_to_their_anch
     wt2 = graph.call_function(ops.wait_event, (p2,), name="wt2")
     d = graph.call_function(aten.mm.default, (c, wt2), name="d")
     graph.output((d,))
-    s = {"a": _SNode(a, []), "book": _SNode(book, []), "r": _SNode(r, []),
-         "q": _SNode(q, [r, book]), "p2": _SNode(p2, []), "c": _SNode(c, [a, q]),
-         "wt2": _SNode(wt2, [p2]), "d": _SNode(d, [c, wt2])}
-    assert pin.weight_work(graph) == ({r, q}, {book})
-    inductor = [s[n] for n in ("book", "r", "p2", "q", "wt2", "a", "c", "d")]
+    named = {n.name: n for n in graph.nodes}
+    s = {"a": _SNode(a, []), "r": _SNode(r, []), "q": _SNode(q, [r]), "p2": _SNode(p2, []),
+         "c": _SNode(c, [a, q]), "wt2": _SNode(wt2, [p2]), "d": _SNode(d, [c, wt2])}
+    return graph, named, s
+
+
+def test_golden_a_resident_weights_copy_and_dequantization_go_back_to_their_anchor():
+    """Inductor runs a resident weight's copy and what computes only on it and on constants
+    (``q``, with ``book`` in a kernel of its own) first, as they read no activation: they and
+    the next prefetch, whose FX anchor they would otherwise be, go back after ``a``, where storm
+    put them (the 70B forward otherwise prefetched every layer's weights before its first
+    matmul)."""
+    graph, n, s = _resident_weight_graph()
+    s["book"] = _SNode(n["book"], [])
+    s["q"].unmet_dependencies.append(_Dep("book"))
+    assert pin.weight_work(graph) == ({n["r"], n["q"]}, {n["book"]})
+    inductor = [s[k] for k in ("book", "r", "p2", "q", "wt2", "a", "c", "d")]
     assert _names(pin.pin_transfers(inductor)) == ["book", "a", "r", "q", "p2", "c", "wt2",
                                                     "d"]
 
@@ -229,22 +239,9 @@ def test_golden_a_dequantization_that_inlines_its_code_book_goes_back_to_its_anc
     kernel (``q``, with both as origins) and runs it first: that kernel moves with the
     weight's copy all the same (as a compute kernel it held the 70B forward's prefetches of
     every layer at its top)."""
-    graph = fx.Graph()
-    x, w, w2 = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("w2")
-    a = graph.call_function(aten.relu.default, (x,), name="a")
-    book = graph.call_function(aten.lift_fresh_copy.default, (graph.get_attr("code"),),
-                               name="book")
-    r = graph.call_function(ops.resident_weight, (w, "cuda"), name="r")
-    q = graph.call_function(aten.mul.Tensor, (r, book), name="q")
-    p2 = graph.call_function(ops.prefetch, (w2, "cuda"), name="p2")
-    c = graph.call_function(aten.mm.default, (a, q), name="c")
-    wt2 = graph.call_function(ops.wait_event, (p2,), name="wt2")
-    d = graph.call_function(aten.mm.default, (c, wt2), name="d")
-    graph.output((d,))
-    s = {"a": _SNode(a, []), "r": _SNode(r, []), "q": _SNode(q, [r]), "p2": _SNode(p2, []),
-         "c": _SNode(c, [a, q]), "wt2": _SNode(wt2, [p2]), "d": _SNode(d, [c, wt2])}
-    s["q"].node.origins = {book, q}
-    inductor = [s[n] for n in ("r", "q", "p2", "wt2", "a", "c", "d")]
+    _, n, s = _resident_weight_graph()
+    s["q"].node.origins = {n["book"], n["q"]}
+    inductor = [s[k] for k in ("r", "q", "p2", "wt2", "a", "c", "d")]
     assert _names(pin.pin_transfers(inductor)) == ["a", "r", "q", "p2", "c", "wt2", "d"]
 
 

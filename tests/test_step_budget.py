@@ -16,7 +16,7 @@ from storm_compile import StormBackend, StormConfig
 from storm_compile.cli.models import GPTShape, build_gpt
 from storm_compile.cost.simulate import simulate
 from storm_compile.passes import StormBudgetError
-from storm_compile.planner.step_budget import GraphShare, StepBudget
+from storm_compile.planner.step_budget import GraphShare, StepBudget, StepView
 
 PLAN_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "recompute": True}
 FIRST, SECOND, SECOND_RECOMPILED = (0, 0, 0), (1, 0, 0), (1, 1, 0)
@@ -30,10 +30,10 @@ def _share(baseline: int, minimum: int, planned: int, step_s: float = 1.0,
 
 def test_a_graph_too_small_for_its_share_leaves_the_rest_to_later_graphs():
     step = StepBudget()
-    assert step.target_bytes(FIRST, 0.5, baseline=100, minimum=90) == 90
+    assert step.view(FIRST).target_bytes(0.5, baseline=100, minimum=90).nbytes == 90
     step.record(FIRST, _share(100, 90, 90))
     # The step so far must hold half of 100 + 1000: the second graph makes up the 40 over.
-    assert step.target_bytes(SECOND, 0.5, baseline=1000, minimum=0) == 550 - 90
+    assert step.view(SECOND).target_bytes(0.5, baseline=1000, minimum=0).nbytes == 550 - 90
 
 
 def test_a_recompiled_frame_replaces_its_earlier_graphs():
@@ -41,36 +41,39 @@ def test_a_recompiled_frame_replaces_its_earlier_graphs():
     step.record(SECOND, _share(1000, 0, 1000))
     # Only the new compilation of frame 1 counts: the old one's 1000 bytes are gone.
     step.record(SECOND_RECOMPILED, _share(800, 0, 400))
-    assert step.target_bytes(FIRST, 0.5, baseline=200, minimum=0) == 100
+    assert step.view(FIRST).target_bytes(0.5, baseline=200, minimum=0).nbytes == 100
 
 
 def test_byte_budget_is_the_steps_total():
     step = StepBudget()
-    assert step.target_bytes(FIRST, 500, baseline=300, minimum=10) == 300
+    assert step.view(FIRST).target_bytes(500, baseline=300, minimum=10).nbytes == 300
     step.record(FIRST, _share(300, 10, 300))
-    assert step.target_bytes(SECOND, 500, baseline=400, minimum=20) == 200
+    assert step.view(SECOND).target_bytes(500, baseline=400, minimum=20).nbytes == 200
 
 
 def test_infeasible_byte_budget_states_the_steps_minimum():
     step = StepBudget()
     step.record(FIRST, _share(300, 250, 300))
     with pytest.raises(StormBudgetError, match="at least 350 bytes"):
-        step.target_bytes(SECOND, 300, baseline=400, minimum=100)
+        step.view(SECOND).target_bytes(300, baseline=400, minimum=100)
 
 
-def test_byte_budget_taken_by_earlier_graphs_warns_once_and_keeps_the_minimum():
+def test_byte_budget_taken_by_earlier_graphs_keeps_the_minimum_and_the_ledger_warns_once():
     step = StepBudget()
     step.record(FIRST, _share(300, 10, 300))
+    target = step.view(SECOND).target_bytes(320, baseline=400, minimum=100)
+    assert (target.nbytes, target.over_bytes) == (100, 80)
+    over = dataclasses.replace(_share(400, 100, 100), over_bytes=target.over_bytes)
     with pytest.warns(RuntimeWarning, match="over memory_budget") as caught:
-        assert step.target_bytes(SECOND, 320, baseline=400, minimum=100) == 100
-        assert step.target_bytes(SECOND, 320, baseline=400, minimum=100) == 100
+        step.record(SECOND, over)
+        step.record(SECOND, over)
     assert len(caught) == 1
 
 
 def test_auto_allowance_is_shared_across_the_step():
     step = StepBudget()
     step.record(FIRST, _share(100, 0, 50, step_s=1.0, spent_s=0.005))
-    assert step.allowance_s(SECOND, baseline_step_s=1.0, max_overhead=0.02) == \
+    assert step.view(SECOND).allowance_s(baseline_step_s=1.0, max_overhead=0.02) == \
         pytest.approx(0.02 * 2.0 - 0.005)
 
 
@@ -98,8 +101,7 @@ def test_a_run_released_by_its_backward_no_longer_counts():
 
 def test_resident_weights_count_once_however_many_runs():
     step = StepBudget()
-    step.record(FIRST, _share(100, 0, 10))
-    step.keep_resident(FIRST, 70)
+    step.record(FIRST, dataclasses.replace(_share(100, 0, 10), resident_bytes=70))
     step.ran(FIRST, budget=100)
     step.ran(FIRST, budget=100)          # 2 × 10 + 70
     step.ran(FIRST, budget=100)          # 3 × 10 + 70
@@ -263,7 +265,24 @@ def test_ddp_pieces_share_one_budget(single_rank_group, budget):
 def test_host_room_is_the_limit_less_the_other_graphs_offloads():
     step = StepBudget()
     step.record(FIRST, dataclasses.replace(_share(100, 0, 50), host_bytes=30))
-    assert step.host_room(SECOND, 100) == 70
+    assert step.view(SECOND).host_room(100) == 70
     step.record(SECOND, dataclasses.replace(_share(100, 0, 50), host_bytes=60))
-    assert step.host_room(FIRST, 100) == 40
-    assert step.host_room(SECOND, 100) == 70
+    assert step.view(FIRST).host_room(100) == 40
+    assert step.view(SECOND).host_room(100) == 70
+
+
+def test_the_passes_return_the_graphs_share_and_only_the_pipeline_records_it():
+    """The passes see the step as a frozen :class:`StepView` (no field of the pass context is
+    the ledger) and return the graph's share; the ledger holds exactly that share."""
+    torch.manual_seed(0)
+    model, (x,) = build_gpt(BLOCKS_SHAPE)
+    captured = []
+    backend = StormBackend(StormConfig.from_options(**{**PLAN_OPTIONS, "memory_budget": 0.5}),
+                           observer=captured.append)
+    torch.compile(model, backend=backend)(x).sum().backward()
+    (graphs,) = captured
+    assert graphs.share is not None and graphs.share.planned_bytes < graphs.share.baseline_bytes
+    assert backend.step.share(backend.step.last) == graphs.share
+    assert isinstance(backend.ctx.others, StepView)
+    assert not any(isinstance(getattr(backend.ctx, f.name), StepBudget)
+                   for f in dataclasses.fields(backend.ctx))

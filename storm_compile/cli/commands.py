@@ -55,6 +55,7 @@ from storm_compile.fx.torch_private import (
     use_lazy_graph_module,
 )
 from storm_compile.passes import StormBudgetError
+from storm_compile.planner.step_budget import StepBudget
 from storm_compile.weights.streaming import stream_parameters
 
 USER_MODEL_ERRORS = (TypeError, ValueError, RuntimeError, LookupError, AttributeError)
@@ -246,7 +247,8 @@ def plan_model(model: str, ctx: PassContext, stream: bool = False, lora: int | N
     with fake_mode, use_lazy_graph_module(True):    # the graphs are planned, never run
         aot_module_simplified(_TupleOutput(module, model), inputs, fw_compiler=boxed_nop,
                               bw_compiler=boxed_nop,
-                              partition_fn=StormPartitioner(ctx, observer=captured.append))
+                              partition_fn=StormPartitioner(ctx, StepBudget(),
+                                                             observer=captured.append))
     if not captured:
         raise ModelSpecError("no input or parameter of the model requires grad, so there is "
                              "no backward to schedule")

@@ -85,9 +85,11 @@ def _sources_hash() -> str:
 class StormPartitioner(CustomPartitionerFn):
     """AOTAutograd partition function: the default min-cut split, then storm's passes."""
 
-    def __init__(self, ctx: PassContext,
+    def __init__(self, ctx: PassContext, step: StepBudget,
                  observer: Callable[[StormGraphs], None] | None = None) -> None:
         self.ctx = ctx
+        self.step = step
+        """The ledger of the step the graphs it plans belong to."""
         self.observer = observer
         self.ledger = ""
         """The step's ledger the next graph is planned against (:meth:`StepBudget.ledger_key`),
@@ -100,11 +102,11 @@ class StormPartitioner(CustomPartitionerFn):
     def __call__(self, joint: fx.GraphModule, joint_inputs, **kwargs: Any):
         """Plan and rewrite the graph; store its plan record before AOTAutograd stores the
         compiled graphs (so a cache entry never lacks its record)."""
-        step = self.ctx.step
+        step = self.step
         recorded = step.last
         with warnings.catch_warnings(record=True) as raised:
-            graphs = storm_partition(joint, joint_inputs, ctx=self.ctx, observer=self.observer,
-                                     **kwargs)
+            graphs = storm_partition(joint, joint_inputs, ctx=self.ctx, step=step,
+                                     observer=self.observer, **kwargs)
         if self.record_key is not None:
             share = step.share(step.last) if step.last != recorded else None
             plan_cache.store(self.record_key, plan_cache.PlanRecord(
@@ -171,7 +173,10 @@ class StormBackend:
                                        "device, and none is available")
             cost_override = cost_override or MeasuredCosts()
         self.ctx = PassContext(config, CostModel(profile, cost_override))
-        self.partitioner = StormPartitioner(self.ctx, observer)
+        self.step = StepBudget()
+        """The step's ledger: what each graph compiled so far planned (budgets are the
+        step's)."""
+        self.partitioner = StormPartitioner(self.ctx, self.step, observer)
         self._warned_split = False
         self._variants: dict[tuple, StormBackend] = {}
 
@@ -187,7 +192,7 @@ class StormBackend:
         if not _needs_backward(example_inputs):
             log.debug("storm: inference graph (grad mode off or no input requires grad): "
                       "nothing is saved for a backward; compiling unchanged")
-        step = self.ctx.step
+        step = self.step
         graph, recorded = step.peek_graph(), step.last
         self._prepare(gm, example_inputs, graph)
         compiled = self._compile(gm, example_inputs)
@@ -218,7 +223,7 @@ class StormBackend:
         """Give the partitioner ``graph``'s cache key (the ledger it is planned against) and
         the key of its plan record (None when it cannot be cached or plans nothing)."""
         budgeted = self.config.memory_budget is not None
-        self.partitioner.ledger = self.ctx.step.ledger_key(graph) if budgeted else ""
+        self.partitioner.ledger = self.step.ledger_key(graph) if budgeted else ""
         key = self.partitioner.key()
         cached = key is not None and self.config.inner != "eager" \
             and _needs_backward(example_inputs)
@@ -236,7 +241,7 @@ class StormBackend:
                 f"the Inductor cache directory ({plan_cache.record_dir().parent}) or set "
                 f"TORCHINDUCTOR_CACHE_DIR to a new one")
         if record.share is not None:
-            self.ctx.step.record(self.ctx.step.next_graph(), record.share)
+            self.step.record(self.step.next_graph(), record.share)
         for message in record.warnings:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 

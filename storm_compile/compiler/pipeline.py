@@ -46,7 +46,7 @@ from storm_compile.passes import (
 )
 from storm_compile.passes.rematerialize import RecomputeRejectedError
 from storm_compile.passes.verify import StormVerificationError
-from storm_compile.planner.step_budget import GraphShare, StormBudgetError
+from storm_compile.planner.step_budget import StepBudget, StormBudgetError
 from storm_compile.runtime.ranks import check_ranks_agree
 from storm_compile.weights.streaming import device_weights
 
@@ -229,38 +229,22 @@ def _retag(joint: JointGraph, tags: dict[str, object]) -> None:
             node.meta.pop(RECOMPUTE_TAG, None)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Decided:
-    """A plan's storage decisions (:func:`plan_storages`) on graphs no pass has rewritten, and
-    the ledger share that planning recorded: plans that differ only in
+def _decide(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext) -> StormGraphs:
+    """:func:`plan_storages` on a fresh split of ``graphs``' joint graph, with its capture's
+    recompute ``tags``: decided graphs no pass has rewritten. Plans that differ only in
     ``PassContext.resident_room`` decide the same, so each is placed and rewritten from a copy
     of one (:func:`_transfers`) instead of being planned again from a fresh split."""
-
-    graphs: StormGraphs
-    share: GraphShare
-
-
-def _decide(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext) -> _Decided:
-    """:func:`plan_storages` on a fresh split of ``graphs``' joint graph, with its capture's
-    recompute ``tags``."""
     _retag(graphs.joint, tags)
     forward, backward = graphs.joint.split()
-    decided = plan_storages(StormGraphs(forward, backward, graphs.num_fwd_outputs,
-                                        joint=graphs.joint, records=graphs.records), ctx)
-    return _Decided(decided, ctx.step.share(ctx.graph))
+    return plan_storages(StormGraphs(forward, backward, graphs.num_fwd_outputs,
+                                     joint=graphs.joint, records=graphs.records), ctx)
 
 
-def _weighed(decided: _Decided, ctx: PassContext) -> StormGraphs:
-    """``plan_weights`` on ``decided``'s graphs (which it does not rewrite), with the step's
-    ledger holding the share their planning recorded, as :func:`plan_storages` leaves it."""
-    ctx.step.record(ctx.graph, decided.share)
-    return _run(plan_weights, decided.graphs, ctx)
-
-
-def _transfers(decided: _Decided, ctx: PassContext) -> StormGraphs:
+def _transfers(decided: StormGraphs, ctx: PassContext) -> StormGraphs:
     """:func:`plan_transfers` from ``decided``, on a copy of its graphs: the plan
-    :func:`run_passes` makes from the same split with ``ctx``, ``decided`` left unchanged."""
-    return place_and_insert(copy_decided(_weighed(decided, ctx)), ctx)
+    :func:`run_passes` makes from the same split with ``ctx``, ``decided`` left unchanged
+    (``plan_weights`` does not rewrite graphs)."""
+    return place_and_insert(copy_decided(_run(plan_weights, decided, ctx)), ctx)
 
 
 def _peak(graphs: StormGraphs, ctx: PassContext) -> tuple[int, Prediction]:
@@ -284,14 +268,14 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
        by up to the streamed weights' bytes (activations traded for weights kept): of the
        fitting plan and those whose peak fits, the one with the fastest predicted step.
 
-    The step's ledger keeps the returned plan's share."""
+    The returned graphs' ``share`` is their plan's part of the step, for the caller to record
+    in the step's ledger; the passes only read the step (``ctx.others``)."""
     tags, asked = _recompute_tags(graphs.joint), ctx.config
     budget = asked.memory_budget
     weights = device_weights(graphs.forward, asked.prefetch_window_bytes)
-    decided = plan_storages(graphs, ctx)
-    if not isinstance(budget, int) or weights is None or decided.plan.target_bytes is None:
-        return plan_transfers(decided, ctx)
-    first = _Decided(decided, ctx.step.share(ctx.graph))
+    first = plan_storages(graphs, ctx)
+    if not isinstance(budget, int) or weights is None or first.plan.target_bytes is None:
+        return plan_transfers(first, ctx)
     planned = _transfers(first, ctx)
     peak, prediction = _peak(planned, ctx)
     if peak > budget:
@@ -307,8 +291,7 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         fastest = min(fits, key=lambda fit: fit.prediction.step_s)
         planned, prediction, ctx, peak, first = (fastest.graphs, fastest.prediction,
                                                  fastest.ctx, fastest.peak, fastest.decided)
-        ctx.step.record(ctx.graph, fastest.share)
-    best = _Candidate(prediction.step_s, planned, ctx.step.share(ctx.graph))
+    best = _Candidate(prediction.step_s, planned)
     kept = _with_residents(first, ctx, budget, planned, budget - peak)
     if kept is not None:
         best = min(best, kept, key=lambda plan: plan.step_s)
@@ -321,7 +304,6 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         kept = _traded(graphs, tags, fewer, budget)
         if kept is not None:
             best = min(best, kept, key=lambda plan: plan.step_s)
-    ctx.step.record(ctx.graph, best.share)
     return best.graphs
 
 
@@ -333,19 +315,17 @@ class _Fit:
     prediction: Prediction
     ctx: PassContext
     peak: int
-    share: GraphShare
-    decided: _Decided
+    decided: StormGraphs
     """Its storage decisions, before the graphs were rewritten."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _Candidate:
-    """A plan the search may return: its predicted step, its rewritten graphs and the ledger
-    share its planning recorded."""
+    """A plan the search may return: its predicted step and its rewritten graphs (with their
+    share of the step)."""
 
     step_s: float
     graphs: StormGraphs
-    share: GraphShare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,7 +372,7 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
         planned = _transfers(decided, ctx)
         peak, prediction = _peak(planned, ctx)
         if peak <= budget:
-            return _Fit(planned, prediction, ctx, peak, ctx.step.share(ctx.graph), decided)
+            return _Fit(planned, prediction, ctx, peak, decided)
         least = min(least, _peak_at(peak, prediction), key=lambda seen: seen.nbytes)
     return least
 
@@ -413,7 +393,7 @@ def _traded(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext, budg
     return _with_residents(decided, ctx, budget, traded, budget - peak)
 
 
-def _with_residents(decided: _Decided, ctx: PassContext, budget: int, fitting: StormGraphs,
+def _with_residents(decided: StormGraphs, ctx: PassContext, budget: int, fitting: StormGraphs,
                     room: int) -> _Candidate | None:
     """The graph planned again with ``room`` for weights kept on the device
     (``PassContext.resident_room``) above ``fitting``, a plan whose peak fits the budget, made
@@ -425,7 +405,7 @@ def _with_residents(decided: _Decided, ctx: PassContext, budget: int, fitting: S
     peaks: dict[tuple[ResidentWeight, ...], int] = {}
     for round_ in range(RESIDENT_ROUNDS if room >= smallest else 0):
         with_room = dataclasses.replace(ctx, resident_room=room)
-        weighed = _weighed(decided, with_room)
+        weighed = _run(plan_weights, decided, with_room)
         resident = weighed.storages.resident
         if not resident:
             return None
@@ -433,7 +413,7 @@ def _with_residents(decided: _Decided, ctx: PassContext, budget: int, fitting: S
             kept = place_and_insert(copy_decided(weighed), with_room)
             peak, prediction = _peak(kept, ctx)
             if peak <= budget:
-                return _Candidate(prediction.step_s, kept, ctx.step.share(ctx.graph))
+                return _Candidate(prediction.step_s, kept)
             peaks[resident] = peak
         room -= (peaks[resident] - budget) * 2**round_
     return None
@@ -451,10 +431,14 @@ def _over_budget(budget: int, least: _PeakAt, asked: StormConfig) -> StormBudget
         f"may be copied ahead), or use fewer tokens per micro-batch")
 
 
-def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
+def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext, step: StepBudget,
                     observer: Callable[[StormGraphs], None] | None = None,
                     **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
-    ctx = dataclasses.replace(ctx, graph=ctx.step.next_graph())
+    """Plan and rewrite one graph of the step whose ledger is ``step``: its passes plan against
+    the step's other graphs (:meth:`StepBudget.view`), and the ledger records the share of the
+    plan they return (the one place the ledger is written during planning)."""
+    graph = step.next_graph()
+    ctx = dataclasses.replace(ctx, others=step.view(graph))
     # 1. capture: AOTAutograd traced the joint graph; the joint-graph passes fetch streamed
     #    weights again in the backward instead of saving them and sum a tied weight's
     #    gradients on the device; then split it the way torch.compile does.
@@ -470,6 +454,7 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext,
     # 2-5. annotate costs, plan, (re-split to recompute), place, insert transfers; verified;
     #      a streamed graph planned again while its predicted peak is over a byte budget.
     graphs = plan_within_budget(graphs, ctx)
+    step.record(graph, graphs.share)
     # 6. agree: every rank of a process group made this same plan.
     check_ranks_agree(graphs)
     if observer is not None:

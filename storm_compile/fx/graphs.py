@@ -19,7 +19,7 @@ from storm_compile.fx.torch_private import (
     use_lazy_graph_module,
 )
 from storm_compile.fx.vocabulary import RECOMPUTE_TAG, view_closure
-from storm_compile.planner.step_budget import NO_FRAME, GraphId, StepBudget
+from storm_compile.planner.step_budget import GraphShare, StepView
 
 COST_KEY = "storm_cost"
 """``node.meta`` key of the :class:`NodeCost` written by ``annotate_costs``."""
@@ -128,6 +128,9 @@ class StormGraphs:
     """What the memory planner aimed at; set by ``plan_memory`` on the first split."""
     records: tuple[PassRecord, ...] = ()
     """One record per pass run on these graphs (and on the split they replaced), in order."""
+    share: GraphShare | None = None
+    """This graph's part of the step as its plan holds it: set by ``plan_memory``, its resident
+    weights' bytes by ``plan_weights``; the pipeline records it in the step's ledger."""
 
 
 def copy_decided(graphs: StormGraphs) -> StormGraphs:
@@ -186,10 +189,9 @@ class Limits:
 class PassContext:
     config: StormConfig
     cost: CostModel
-    step: StepBudget = dataclasses.field(default_factory=StepBudget)
-    """The step's other graphs and what they planned (budgets are the step's)."""
-    graph: GraphId = (NO_FRAME, 0, 0)
-    """Which graph of the step the passes are planning."""
+    others: StepView = StepView()
+    """What the step's other graphs planned (budgets are the step's), frozen: the passes read
+    it; the pipeline records what they return in the step's ledger."""
     resident_room: int = 0
     """Device bytes ``plan_weights`` may fill with streamed weights kept there: what a byte
     budget left above the predicted device peak of the graph's plan without them (0: none)."""

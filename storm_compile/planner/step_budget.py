@@ -6,7 +6,9 @@ knowing what the graphs compiled before it planned. Graphs are planned in the or
 compiles them (for DDP, every bucket's piece during the first forward), and a
 :class:`StepBudget` keeps one :class:`GraphShare` per graph of the step, keyed by the frame that
 made it and its position within that frame's compilation; a recompilation of the same frame
-(new shapes, a failed guard) replaces that frame's graphs.
+(new shapes, a failed guard) replaces that frame's graphs. A graph's passes plan against a
+:class:`StepView`, a frozen copy of the other graphs' shares, and return their own share; the
+pipeline records it.
 
 How graph ``k`` is planned, with ``B`` and ``A`` summing the other graphs' activation memory
 without storm and as planned:
@@ -66,6 +68,60 @@ class GraphShare:
     host_bytes: int = 0
     """Pinned host memory its offloads hold at the end of its forward (in the pool's buckets):
     the step's graphs share ``host_memory_limit``."""
+    over_bytes: int = 0
+    """How far a byte budget is exceeded with this graph at its minimum: graphs compiled
+    earlier in the step took the room (the ledger warns once when it records such a share)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTarget:
+    """The activation memory a graph should reach, and how far a byte budget is then exceeded
+    (:attr:`GraphShare.over_bytes`)."""
+
+    nbytes: int
+    over_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepView:
+    """What the step's other graphs planned, as one graph's passes plan against it: a frozen
+    copy of their shares, so that a pass reads the step and never writes it (the pipeline
+    records the share the passes return, :attr:`storm_compile.fx.graphs.StormGraphs.share`)."""
+
+    others: tuple[GraphShare, ...] = ()
+
+    def target_bytes(self, budget: int | float, baseline: int, minimum: int) -> StepTarget:
+        """Activation memory this graph should reach for a byte or fraction budget."""
+        held = sum(s.planned_bytes + s.resident_bytes for s in self.others)
+        if isinstance(budget, float):
+            share = budget * (sum(s.baseline_bytes for s in self.others) + baseline) - held
+            return StepTarget(int(min(max(share, minimum), baseline)))
+        if budget - held >= minimum:
+            return StepTarget(int(min(budget - held, baseline)))
+        step_minimum = minimum + sum(s.minimum_bytes for s in self.others)
+        if step_minimum > budget:
+            raise StormBudgetError(
+                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the minimum "
+                f"feasible for the step: its {len(self.others) + 1} graph(s) compiled so far "
+                f"must hold at least {step_minimum} bytes ({step_minimum / GIB:.3f} GiB) at the "
+                f"end of the forward (outputs, views of inputs, tensors under "
+                f"min_offload_bytes)")
+        return StepTarget(minimum, held + minimum - budget)
+
+    def left_bytes(self, budget: int, own: GraphShare) -> int:
+        """What a byte budget leaves once the step's graphs, this one as ``own``, hold what
+        they planned."""
+        return budget - sum(s.planned_bytes + s.resident_bytes for s in (*self.others, own))
+
+    def allowance_s(self, baseline_step_s: float, max_overhead: float) -> float:
+        """Predicted step time this graph's plan may add under ``memory_budget="auto"``."""
+        step = sum(s.baseline_step_s for s in self.others) + baseline_step_s
+        return max(0.0, max_overhead * step - sum(s.spent_s for s in self.others))
+
+    def host_room(self, limit: int) -> int:
+        """Pinned host memory this graph's offloads may hold: ``limit`` less what the step's
+        other graphs' offloads hold."""
+        return limit - sum(s.host_bytes for s in self.others)
 
 
 GraphId = tuple[int, int, int]
@@ -155,50 +211,16 @@ class StepBudget:
                 f"0.5), which holds for every run, or in bytes divided by the runs")
         return release
 
-    def target_bytes(self, graph: GraphId, budget: int | float, baseline: int,
-                     minimum: int) -> int:
-        """Activation memory this graph should reach for a byte or fraction budget."""
-        others = self._others(graph)
-        held = sum(s.planned_bytes + s.resident_bytes for s in others)
-        if isinstance(budget, float):
-            share = budget * (sum(s.baseline_bytes for s in others) + baseline) - held
-            return int(min(max(share, minimum), baseline))
-        if budget - held >= minimum:
-            return int(min(budget - held, baseline))
-        step_minimum = minimum + sum(s.minimum_bytes for s in others)
-        if step_minimum > budget:
-            raise StormBudgetError(
-                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the minimum "
-                f"feasible for the step: its {len(others) + 1} graph(s) compiled so far must "
-                f"hold at least {step_minimum} bytes ({step_minimum / GIB:.3f} GiB) at the end "
-                f"of the forward (outputs, views of inputs, tensors under min_offload_bytes)")
-        self._warn_over(held + minimum - budget)
-        return minimum
-
-    def left_bytes(self, graph: GraphId, budget: int) -> int:
-        """What a byte budget leaves once the step's graphs, this one included (recorded),
-        hold what they planned."""
-        shares = [*self._others(graph), self._shares[graph]]
-        return budget - sum(s.planned_bytes + s.resident_bytes for s in shares)
-
-    def keep_resident(self, graph: GraphId, nbytes: int) -> None:
-        """This graph's plan keeps ``nbytes`` of streamed weights on the device."""
-        self._shares[graph] = dataclasses.replace(self._shares[graph], resident_bytes=nbytes)
-
-    def host_room(self, graph: GraphId, limit: int) -> int:
-        """Pinned host memory this graph's offloads may hold: ``limit`` less what the step's
-        other graphs' offloads hold."""
-        return limit - sum(s.host_bytes for s in self._others(graph))
-
-    def allowance_s(self, graph: GraphId, baseline_step_s: float, max_overhead: float) -> float:
-        """Predicted step time this graph's plan may add under ``memory_budget="auto"``."""
-        others = self._others(graph)
-        step = sum(s.baseline_step_s for s in others) + baseline_step_s
-        return max(0.0, max_overhead * step - sum(s.spent_s for s in others))
+    def view(self, graph: GraphId) -> StepView:
+        """What ``graph``'s passes plan against: the step's other graphs' shares, frozen."""
+        return StepView(tuple(self._others(graph)))
 
     def record(self, graph: GraphId, share: GraphShare) -> None:
+        """``graph``'s plan holds ``share``; warn once when it is over a byte budget."""
         self._shares[graph] = share
         self.last = graph
+        if share.over_bytes > 0:
+            self._warn_over(share.over_bytes)
 
     def share(self, graph: GraphId) -> GraphShare:
         """What this graph's last plan recorded."""

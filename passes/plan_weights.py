@@ -10,9 +10,9 @@ only under a byte ``memory_budget``, in the forward's order of first read (the e
 have the least compute before them to hide under, and the first of all, an embedding's, none),
 each one that still fits in the smaller of ``ctx.resident_room`` and what the budget leaves once
 the step's planned activations and resident weights, and this graph's resident inputs, are
-paid (:meth:`StepView.left_bytes`, with ``graphs.share``). A weight kept on the device is held there once, and
-cloned while a graph reads it. A resident weight is copied once per optimizer step instead of
-twice per micro-batch. With no room nothing changes; a second run finds no ``fetch_weight`` left
+paid (:meth:`StepView.left_bytes`, with ``graphs.share``). A weight kept on the device is held
+there once, and cloned while a graph reads it. A resident weight is copied once per optimizer
+step instead of twice per micro-batch. With no room nothing changes; a second run finds no ``fetch_weight`` left
 of a resident weight and changes nothing (idempotent).
 Emits: no nodes; ``insert_transfers`` reads the list, and ``graphs.share`` holds the bytes.
 """

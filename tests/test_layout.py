@@ -139,3 +139,16 @@ def test_the_layout_tour_names_every_module():
                if f"`{path.name}`" not in items.get(path.parent.relative_to(folder).as_posix()
                                                     .replace(".", ""), "")]
     assert missing == []
+
+
+def test_the_build_lists_every_sub_package():
+    """``pyproject.toml`` lists its packages by name: a sub-package left out would be missing
+    from a built wheel while an editable install still found it."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in Python 3.11 and later")
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    folder = PACKAGES["storm_compile"]
+    found = {".".join(("storm_compile", *init.parent.relative_to(folder).parts))
+             for init in folder.rglob("__init__.py")}
+    assert found | {"storm_compile.passes"} == listed

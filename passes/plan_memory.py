@@ -63,6 +63,7 @@ import warnings
 import torch
 from torch import fx
 
+from storm_compile.config import MemoryBudget
 from storm_compile.cost.placement import place
 from storm_compile.cost.simulate import simulate
 from storm_compile.fx.graphs import COST_KEY, PassContext, StormGraphs, saved_values
@@ -349,24 +350,25 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
         reached = graphs.plan.target_bytes
         return _Target(Goal.HIDDEN) if reached is None else _Target(Goal.BYTES, reached)
     if not _plans_device(graphs, ctx):
-        if budget is not None or ctx.config.offload == "all":
+        if budget.given or ctx.config.offload == "all":
             warnings.warn(UNPLANNED_DEVICE, RuntimeWarning, stacklevel=2)
         return _Target(Goal.HIDDEN)
-    if budget is None and ctx.config.offload != "all":
+    if not budget.given and ctx.config.offload != "all":
         return _Target(Goal.HIDDEN)
     if ctx.config.offload == "all":
         return _Target(Goal.BYTES, minimum)
-    if budget == "auto":
+    if budget.auto:
         return _Target(Goal.AUTO)
     weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
-    if isinstance(budget, int) and weights is not None:
-        if budget < weights.nbytes + minimum:
+    if budget.nbytes is not None and weights is not None:
+        if budget.nbytes < weights.nbytes + minimum:
             raise StormBudgetError(
-                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the minimum "
+                f"memory_budget {budget.nbytes} bytes ({budget.nbytes / GIB:.3f} GiB) is below "
+                f"the minimum "
                 f"for this streamed model, {weights.nbytes + minimum} bytes "
                 f"({(weights.nbytes + minimum) / GIB:.3f} GiB): the device must hold "
                 f"{weights.describe()}, and {minimum} bytes of activations that cannot move")
-        budget -= weights.nbytes
+        budget = MemoryBudget(nbytes=budget.nbytes - weights.nbytes)
     aim = ctx.others.target_bytes(budget, baseline.activation_bytes, minimum)
     return _Target(Goal.BYTES, aim.nbytes, aim.over_bytes)
 
@@ -423,7 +425,9 @@ def _select(ranked: list[_Item], target: _Target, need: int, allowance: float,
 
 
 def _host_full_error(need: int, covered: int, room: int, ctx: PassContext) -> str:
-    return (f"memory_budget: {need} bytes of activations must leave the device, but only "
+    asked = ("offload='all'" if ctx.config.offload == "all"
+             else f"memory_budget {ctx.memory_budget}")
+    return (f"{asked}: {need} bytes of activations must leave the device, but only "
             f"{covered} can: pinned host memory has room for {max(room, 0)} bytes of this "
             f"graph's offloads (host_memory_limit {ctx.config.host_memory_limit} bytes, less "
             f"what the step's other graphs offload), and the rest cannot be recomputed. Raise "

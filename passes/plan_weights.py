@@ -29,8 +29,8 @@ from storm_compile.weights.streaming import device_weights
 
 
 def plan_weights(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    budget, plan = ctx.memory_budget, graphs.storages
-    if not isinstance(budget, int) or plan.resident:
+    budget, plan = ctx.memory_budget.nbytes, graphs.storages
+    if budget is None or plan.resident:
         return graphs
     weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
     if weights is None or ctx.resident_room <= 0:

@@ -90,35 +90,69 @@ def _fraction(number: float, value: object) -> float:
     return float(number)
 
 
-def parse_budget(value: object) -> int | float | str | None:
-    """Read ``memory_budget`` as :data:`BUDGET_FORMS` lists them. Returns None, ``"auto"``, a
-    float fraction in (0, 1], or an int of bytes; the CLI passes ``--memory-budget`` as typed,
-    so a string means the same in Python and on the command line."""
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool):
-        raise _budget_error(value, "a bool is not a budget")
-    if isinstance(value, int):
-        return value if value > 1 else _fraction(value, value)
-    if isinstance(value, float):
-        return _fraction(value, value)
-    if not isinstance(value, str):
-        raise _budget_error(value, f"a {type(value).__name__} is not a budget")
-    match = _SIZE_RE.match(value)
-    if match and match.group(2):
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """``memory_budget`` read once (:meth:`parse`): no cap, ``"auto"``, a fraction of the
+    activation memory without storm, or bytes. At most one of :attr:`auto`, :attr:`fraction`
+    and :attr:`nbytes` is set; planning code reads these fields, never the user's value."""
+
+    auto: bool = False
+    fraction: float | None = None
+    """In (0, 1]: of the activation memory the graphs hold without storm."""
+    nbytes: int | None = None
+    """Bytes of the device the step may hold (activations, and streamed weights kept there)."""
+
+    def __post_init__(self) -> None:
+        if self.auto + (self.fraction is not None) + (self.nbytes is not None) > 1:
+            raise StormOptionError(f"storm option 'memory_budget': {self!r} sets more than one "
+                                   f"form")
+
+    @property
+    def given(self) -> bool:
+        """Whether there is a budget at all (else storm offloads only what hides)."""
+        return self.auto or self.fraction is not None or self.nbytes is not None
+
+    def __str__(self) -> str:
+        if self.auto:
+            return "auto"
+        if self.fraction is not None:
+            return f"{self.fraction:g}"
+        return "none" if self.nbytes is None else f"{self.nbytes}B"
+
+    @classmethod
+    def parse(cls, value: object) -> "MemoryBudget":
+        """Read ``memory_budget`` as :data:`BUDGET_FORMS` lists them; the CLI passes
+        ``--memory-budget`` as typed, so a string means the same in Python and on the command
+        line. A :class:`MemoryBudget` is taken as it is."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        if value == "auto":
+            return cls(auto=True)
+        if isinstance(value, bool):
+            raise _budget_error(value, "a bool is not a budget")
+        if isinstance(value, int):
+            return cls(nbytes=value) if value > 1 else cls(fraction=_fraction(value, value))
+        if isinstance(value, float):
+            return cls(fraction=_fraction(value, value))
+        if not isinstance(value, str):
+            raise _budget_error(value, f"a {type(value).__name__} is not a budget")
+        match = _SIZE_RE.match(value)
+        if match and match.group(2):
+            try:
+                return cls(nbytes=parse_bytes(value, "memory_budget"))
+            except StormOptionError:
+                raise _budget_error(value, f"unknown size unit {match.group(2)!r} (size units: "
+                                           f"{', '.join(u for u in _SIZE_UNITS if u)})") from None
         try:
-            return parse_bytes(value, "memory_budget")
-        except StormOptionError:
-            raise _budget_error(value, f"unknown size unit {match.group(2)!r} (size units: "
-                                       f"{', '.join(u for u in _SIZE_UNITS if u)})") from None
-    try:
-        number = float(value)
-    except ValueError:
-        raise _budget_error(value, "not a number, a size or 'auto'") from None
-    if number > 1 and math.isfinite(number):
-        raise _budget_error(value, "a number without a unit is a fraction in (0, 1]: give bytes "
-                                   "with a unit, such as '2048B' or '12GiB'")
-    return _fraction(number, value)
+            number = float(value)
+        except ValueError:
+            raise _budget_error(value, "not a number, a size or 'auto'") from None
+        if number > 1 and math.isfinite(number):
+            raise _budget_error(value, "a number without a unit is a fraction in (0, 1]: give "
+                                       "bytes with a unit, such as '2048B' or '12GiB'")
+        return cls(fraction=_fraction(number, value))
 
 
 def parse_bytes(value: int | str, option: str) -> int:
@@ -182,7 +216,7 @@ class StormConfig:
     under compute, both ways. ``"all"``: every storage that can leave the device does: offloaded,
     or recomputed in the backward where that is predicted cheaper than waiting for the link."""
 
-    memory_budget: int | float | str | None = None
+    memory_budget: MemoryBudget = MemoryBudget()
     """Cap on activation memory (device memory held for the backward at the end of the forward,
     per compiled graph). A number without a unit is a fraction in (0, 1] of the activation memory
     without storm: ``0.5`` and ``"0.5"`` are half, ``1``, ``1.0`` and ``"1"`` all of it. A string
@@ -191,7 +225,8 @@ class StormConfig:
     reads the same here and on the command line. ``"auto"``: the most memory saved at a predicted
     step-time overhead within ``max_overhead``. The planner keeps, offloads or recomputes each
     saved activation to meet it at the least predicted step time. None: no cap, offload what
-    hides. Bools, 0, negatives, NaN and infinities are rejected."""
+    hides. Bools, 0, negatives, NaN and infinities are rejected. :meth:`from_options` reads the
+    value once into a :class:`MemoryBudget`."""
 
     max_overhead: float = DEFAULT_MAX_OVERHEAD
     """Predicted step-time overhead ``memory_budget="auto"`` may spend, as a fraction."""
@@ -225,6 +260,12 @@ class StormConfig:
     """Also plan and insert transfers for activations of CPU models, where the ops become plain
     copies. Lets the whole pipeline run and be tested on a machine without a GPU."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.memory_budget, MemoryBudget):
+            raise StormOptionError(f"storm option 'memory_budget': StormConfig holds a "
+                                   f"MemoryBudget; build the config with from_options to read "
+                                   f"{self.memory_budget!r}")
+
     @classmethod
     def from_options(cls, **options: Any) -> "StormConfig":
         """Validate user options; raise ``StormOptionError`` (a ``ValueError``) naming the
@@ -238,7 +279,7 @@ class StormConfig:
             if name in options:
                 options[name] = parse_bytes(options[name], name)
         if "memory_budget" in options:
-            options["memory_budget"] = parse_budget(options["memory_budget"])
+            options["memory_budget"] = MemoryBudget.parse(options["memory_budget"])
         config = cls(**options)
         config._validate()
         if config.host_memory_limit == 0:
@@ -270,7 +311,7 @@ class StormConfig:
         if self.inner == "eager" and self.mode != "default":
             raise StormOptionError(f"storm options inner='eager' and mode={self.mode!r} "
                                    f"conflict: the mode is Inductor's; give one")
-        if self.memory_budget is not None and self.offload == "all":
+        if self.memory_budget.given and self.offload == "all":
             raise StormOptionError("storm options 'memory_budget' and offload='all' conflict: "
                                    "'all' moves every activation off the device; give one")
         for name in ("transfer_cpu_tensors", "recompute"):

@@ -10,6 +10,7 @@ from storm_compile.config import (
     GIB,
     HOST_MEMORY_FRACTION,
     LOCAL_RANKS_ENV,
+    MemoryBudget,
     StormOptionError,
     parse_bytes,
     physical_memory_bytes,
@@ -78,16 +79,31 @@ def test_backend_is_registered_by_entry_point():
 
 
 @pytest.mark.parametrize("budget, resolved", [
-    (None, None), ("auto", "auto"),
-    (1, 1.0), (1.0, 1.0), ("1", 1.0), (0.5, 0.5), ("0.5", 0.5), (" 0.25 ", 0.25),
-    (2, 2), (12 * GIB, 12 * GIB), ("12GiB", 12 * GIB), ("512 MB", 512_000_000), ("0B", 0),
-    ("2048B", 2048),
+    (None, MemoryBudget()), ("auto", MemoryBudget(auto=True)),
+    *((given, MemoryBudget(fraction=fraction)) for given, fraction in (
+        (1, 1.0), (1.0, 1.0), ("1", 1.0), (0.5, 0.5), ("0.5", 0.5), (" 0.25 ", 0.25))),
+    *((given, MemoryBudget(nbytes=nbytes)) for given, nbytes in (
+        (2, 2), (12 * GIB, 12 * GIB), ("12GiB", 12 * GIB), ("512 MB", 512_000_000), ("0B", 0),
+        ("2048B", 2048))),
 ])
 def test_memory_budget_forms(budget, resolved):
-    """A number without a unit is a fraction (a float), a size or a Python int above 1 is bytes
-    (an int): the type tells the planner which."""
+    """A number without a unit is a fraction, a size or a Python int above 1 is bytes: read once
+    into one typed record, which parses to itself and reads back from its text."""
     value = StormConfig.from_options(memory_budget=budget).memory_budget
-    assert value == resolved and type(value) is type(resolved)
+    assert value == resolved
+    assert type(value.fraction) is (float if resolved.fraction is not None else type(None))
+    assert MemoryBudget.parse(value) is value
+    again = str(value) if value.given else None
+    assert StormConfig.from_options(memory_budget=again).memory_budget == value
+
+
+def test_memory_budget_one_form():
+    """A budget is one form: a record setting two, or a config given an unparsed value, is an
+    option error."""
+    with pytest.raises(StormOptionError, match="more than one form"):
+        MemoryBudget(auto=True, nbytes=2)
+    with pytest.raises(StormOptionError, match="build the config with from_options"):
+        StormConfig(memory_budget=0.5)
 
 
 FRACTION = "a number without a unit is a fraction, which must be in (0, 1]"

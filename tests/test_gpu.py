@@ -60,13 +60,26 @@ def test_pinned_pool_does_not_grow_after_first_step():
     assert get_runtime().pool.reserved_bytes == reserved
 
 
+PINNING_LIMIT = 64 * 2**20
+"""Room the plan sees on the host: more than the model's activations (about 35 MB)."""
+
+
 def test_pinning_limit_keeps_tensors_on_device_with_one_warning():
+    """The plan fits ``host_memory_limit``, but at run time the pool is full (another user
+    holds its buffers): each offload keeps its tensor on the device, warned once."""
     _, ref_grads = _step("inductor")
     torch._dynamo.reset()
-    get_runtime().pool.clear()
+    pool = get_runtime().pool
+    pool.clear()
+    pooled = pool.acquire(PINNING_LIMIT, PINNING_LIMIT)
+    assert pooled is not None
+    blocker = pooled.view(-1)      # a second user of the buffer: the pool sees it busy
+    del pooled
     with pytest.warns(RuntimeWarning, match="could not pin") as caught:
         _, grads = _step(storm(min_offload_bytes=0, offload="all", recompute=False,
-                               host_memory_limit=1), steps=2)
+                               host_memory_limit=PINNING_LIMIT), steps=2)
+    del blocker
+    pool.clear()
     assert len([w for w in caught if "could not pin" in str(w.message)]) == 1
     assert _rel_error(grads, ref_grads) < BF16_RTOL
 

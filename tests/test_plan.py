@@ -257,7 +257,7 @@ def test_a_budget_the_host_cannot_hold_names_host_memory_limit():
                              "host_memory_limit": 1}))
     error = caught.value.inner_exception
     assert isinstance(error, StormBudgetError)
-    assert "Raise host_memory_limit" in str(error)
+    assert str(error).startswith("offload='all': ") and "Raise host_memory_limit" in str(error)
 
 
 def test_without_a_budget_an_offload_past_the_host_room_stays_and_says_why():

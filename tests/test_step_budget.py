@@ -14,12 +14,18 @@ from torch.nn.parallel import DistributedDataParallel
 from helpers import CPU_TEST_OPTIONS
 from storm_compile import StormBackend, StormConfig
 from storm_compile.cli.models import GPTShape, build_gpt
+from storm_compile.config import MemoryBudget
 from storm_compile.cost.simulate import simulate
 from storm_compile.passes import StormBudgetError
-from storm_compile.planner.step_budget import GraphShare, StepBudget, StepView
+from storm_compile.planner.step_budget import GraphId, GraphShare, StepBudget, StepView
 
 PLAN_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "recompute": True}
-FIRST, SECOND, SECOND_RECOMPILED = (0, 0, 0), (1, 0, 0), (1, 1, 0)
+FIRST, SECOND, SECOND_RECOMPILED = GraphId(0, 0, 0), GraphId(1, 0, 0), GraphId(1, 1, 0)
+HALF = MemoryBudget(fraction=0.5)
+
+
+def _bytes(nbytes: int) -> MemoryBudget:
+    return MemoryBudget(nbytes=nbytes)
 
 
 def _share(baseline: int, minimum: int, planned: int, step_s: float = 1.0,
@@ -30,10 +36,10 @@ def _share(baseline: int, minimum: int, planned: int, step_s: float = 1.0,
 
 def test_a_graph_too_small_for_its_share_leaves_the_rest_to_later_graphs():
     step = StepBudget()
-    assert step.view(FIRST).target_bytes(0.5, baseline=100, minimum=90).nbytes == 90
+    assert step.view(FIRST).target_bytes(HALF, baseline=100, minimum=90).nbytes == 90
     step.record(FIRST, _share(100, 90, 90))
     # The step so far must hold half of 100 + 1000: the second graph makes up the 40 over.
-    assert step.view(SECOND).target_bytes(0.5, baseline=1000, minimum=0).nbytes == 550 - 90
+    assert step.view(SECOND).target_bytes(HALF, baseline=1000, minimum=0).nbytes == 550 - 90
 
 
 def test_a_recompiled_frame_replaces_its_earlier_graphs():
@@ -41,27 +47,27 @@ def test_a_recompiled_frame_replaces_its_earlier_graphs():
     step.record(SECOND, _share(1000, 0, 1000))
     # Only the new compilation of frame 1 counts: the old one's 1000 bytes are gone.
     step.record(SECOND_RECOMPILED, _share(800, 0, 400))
-    assert step.view(FIRST).target_bytes(0.5, baseline=200, minimum=0).nbytes == 100
+    assert step.view(FIRST).target_bytes(HALF, baseline=200, minimum=0).nbytes == 100
 
 
 def test_byte_budget_is_the_steps_total():
     step = StepBudget()
-    assert step.view(FIRST).target_bytes(500, baseline=300, minimum=10).nbytes == 300
+    assert step.view(FIRST).target_bytes(_bytes(500), baseline=300, minimum=10).nbytes == 300
     step.record(FIRST, _share(300, 10, 300))
-    assert step.view(SECOND).target_bytes(500, baseline=400, minimum=20).nbytes == 200
+    assert step.view(SECOND).target_bytes(_bytes(500), baseline=400, minimum=20).nbytes == 200
 
 
 def test_infeasible_byte_budget_states_the_steps_minimum():
     step = StepBudget()
     step.record(FIRST, _share(300, 250, 300))
     with pytest.raises(StormBudgetError, match="at least 350 bytes"):
-        step.view(SECOND).target_bytes(300, baseline=400, minimum=100)
+        step.view(SECOND).target_bytes(_bytes(300), baseline=400, minimum=100)
 
 
 def test_byte_budget_taken_by_earlier_graphs_keeps_the_minimum_and_the_ledger_warns_once():
     step = StepBudget()
     step.record(FIRST, _share(300, 10, 300))
-    target = step.view(SECOND).target_bytes(320, baseline=400, minimum=100)
+    target = step.view(SECOND).target_bytes(_bytes(320), baseline=400, minimum=100)
     assert (target.nbytes, target.over_bytes) == (100, 80)
     over = dataclasses.replace(_share(400, 100, 100), over_bytes=target.over_bytes)
     with pytest.warns(RuntimeWarning, match="over memory_budget") as caught:

@@ -39,7 +39,7 @@ from storm_compile.cli.report import (
 )
 from storm_compile.cli.shapes import LLAMA_PRESETS, GPTShape, LlamaShape, ModelSpecError
 from storm_compile.compiler.backend import StormPartitioner
-from storm_compile.config import CPU_PLANNING, StormConfig, StormOptionError
+from storm_compile.config import CPU_PLANNING, MemoryBudget, StormConfig, StormOptionError
 from storm_compile.cost.calibrate import cache_path, calibrate, profile_for
 from storm_compile.cost.cost_model import CostModel
 from storm_compile.cost.profiles import GPU_PLANNING_PROFILE
@@ -333,11 +333,11 @@ def _schedule(args: argparse.Namespace) -> int:
     return 0
 
 
-def _asked_bytes(budget: int | float | str, summary: dict[str, object]) -> int | None:
+def _asked_bytes(budget: MemoryBudget, summary: dict[str, object]) -> int | None:
     """Activation bytes a fraction or byte budget asks for (None for ``"auto"``)."""
-    if isinstance(budget, float):
-        return int(budget * summary["baseline_activation_bytes"])
-    return budget if isinstance(budget, int) else None
+    if budget.fraction is not None:
+        return int(budget.fraction * summary["baseline_activation_bytes"])
+    return budget.nbytes
 
 
 def _pareto(args: argparse.Namespace) -> int:

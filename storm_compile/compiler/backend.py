@@ -48,11 +48,6 @@ from storm_compile.runtime.ranks import rank_key
 
 log = logging.getLogger("storm_compile")
 
-SPLIT_POSITION = 2
-"""Index in a :data:`~storm_compile.planner.step_budget.GraphId` of the graph's position in its
-frame's compilation: above 0 only when a frame made several graphs, which DDPOptimizer does (a graph
-break resumes in a new frame)."""
-
 KEPT_WHOLE = frozenset({torch.ops.aten.embedding_dense_backward.default})
 """Ops storm leaves out of Inductor's decomposition table, so that they run as aten's kernels,
 in a graph whose memory storm bounds (a ``memory_budget``, or weights streamed); elsewhere the
@@ -201,11 +196,11 @@ class StormBackend:
         budget = self.config.memory_budget
         if step.last == recorded:
             return compiled
-        if budget is not None and step.last[SPLIT_POSITION] > 0:
+        if budget.given and step.last.position > 0:
             self._warn_split()
-        if not isinstance(budget, int):
+        if budget.nbytes is None:
             return compiled
-        return _counting_runs(compiled, step, step.last, budget)
+        return _counting_runs(compiled, step, step.last, budget.nbytes)
 
     def variant(self, mode: str | None, options: dict[str, Any] | None) -> StormBackend:
         """This backend with ``mode`` and ``options`` over its own, validated as ``storm(...)``
@@ -213,7 +208,8 @@ class StormBackend:
         step ledger."""
         key = (mode, tuple(sorted((options or {}).items())))
         if key not in self._variants:
-            fields = {**dataclasses.asdict(self.config), **(options or {}),
+            own = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+            fields = {**own, **(options or {}),
                       **({} if mode is None else {"mode": mode})}
             self._variants[key] = StormBackend(StormConfig.from_options(**fields),
                                                self.observer, self.cost_override)
@@ -222,7 +218,7 @@ class StormBackend:
     def _prepare(self, gm: fx.GraphModule, example_inputs: list[Any], graph: GraphId) -> None:
         """Give the partitioner ``graph``'s cache key (the ledger it is planned against) and
         the key of its plan record (None when it cannot be cached or plans nothing)."""
-        budgeted = self.config.memory_budget is not None
+        budgeted = self.config.memory_budget.given
         self.partitioner.ledger = self.step.ledger_key(graph) if budgeted else ""
         key = self.partitioner.key()
         cached = key is not None and self.config.inner != "eager" \
@@ -258,7 +254,7 @@ class StormBackend:
 
     def _bounds_memory(self, gm: fx.GraphModule) -> bool:
         """Whether storm bounds ``gm``'s device memory: a budget, or weights it streams."""
-        return self.config.memory_budget is not None or any(
+        return self.config.memory_budget.given or any(
             node.target in STREAMED_READS for node in gm.graph.nodes)
 
     def _warn_split(self) -> None:

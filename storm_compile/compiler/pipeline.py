@@ -271,10 +271,10 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     The returned graphs' ``share`` is their plan's part of the step, for the caller to record
     in the step's ledger; the passes only read the step (``ctx.others``)."""
     tags, asked = _recompute_tags(graphs.joint), ctx.config
-    budget = asked.memory_budget
+    budget = asked.memory_budget.nbytes
     weights = device_weights(graphs.forward, asked.prefetch_window_bytes)
     first = plan_storages(graphs, ctx)
-    if not isinstance(budget, int) or weights is None or first.plan.target_bytes is None:
+    if budget is None or weights is None or first.plan.target_bytes is None:
         return plan_transfers(first, ctx)
     planned = _transfers(first, ctx)
     peak, prediction = _peak(planned, ctx)
@@ -300,7 +300,7 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     if freed > 0 and (kept is None
                       or sum(w.nbytes for w in kept.graphs.storages.resident) < streamed):
         fewer = dataclasses.replace(ctx, limits=dataclasses.replace(
-            ctx.limits, memory_budget=ctx.memory_budget - freed))
+            ctx.limits, budget_bytes=ctx.memory_budget.nbytes - freed))
         kept = _traded(graphs, tags, fewer, budget)
         if kept is not None:
             best = min(best, kept, key=lambda plan: plan.step_s)
@@ -349,7 +349,7 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
     where it is. Round ``k`` takes the excess times ``2**k`` from the activations (never below
     their minimum) and from ``prefetch_window_bytes``: with ``spare_window`` only the part the
     activations could not take."""
-    budget, window = ctx.memory_budget, ctx.prefetch_window_bytes
+    budget, window = ctx.memory_budget.nbytes, ctx.prefetch_window_bytes
     weights = device_weights(graphs.forward, window)
     peak = device_bytes(planned, prediction)
     lowered, least = budget, _peak_at(peak, prediction)
@@ -364,7 +364,7 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
         lowered -= planned.plan.target_bytes - target + weights.nbytes - now.nbytes
         weights = now
         ctx = dataclasses.replace(ctx, limits=dataclasses.replace(
-            ctx.limits, memory_budget=lowered, prefetch_window_bytes=window))
+            ctx.limits, budget_bytes=lowered, prefetch_window_bytes=window))
         try:
             decided = _decide(graphs, tags, ctx)
         except StormBudgetError:

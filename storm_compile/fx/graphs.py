@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from storm_compile.config import StormConfig
+from storm_compile.config import MemoryBudget, StormConfig
 from storm_compile.cost.cost_model import CostModel
 from storm_compile.fx.plan import Decision, MemoryPlan, StoragePlan, Unplaced
 from storm_compile.fx.torch_private import (
@@ -180,7 +180,7 @@ class Limits:
     a smaller prefetch window; where the partitioner rejects the planned recomputation, the graph is
     planned without. None: the user's option."""
 
-    memory_budget: int | None = None
+    budget_bytes: int | None = None
     prefetch_window_bytes: int | None = None
     recompute: bool | None = None
 
@@ -203,10 +203,10 @@ class PassContext:
     """Where the planner plans against other numbers than the user's options (``config``)."""
 
     @property
-    def memory_budget(self) -> int | float | str | None:
-        """The budget this graph is planned against: the search's, else the user's."""
-        chosen = self.limits.memory_budget
-        return self.config.memory_budget if chosen is None else chosen
+    def memory_budget(self) -> MemoryBudget:
+        """The budget this graph is planned against: the search's bytes, else the user's."""
+        chosen = self.limits.budget_bytes
+        return self.config.memory_budget if chosen is None else MemoryBudget(nbytes=chosen)
 
     @property
     def prefetch_window_bytes(self) -> int:

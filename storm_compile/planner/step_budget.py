@@ -38,7 +38,9 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
+from storm_compile.config import MemoryBudget
 from storm_compile.fx.torch_private import CompileContext
 from storm_compile.fx.vocabulary import GIB
 
@@ -90,12 +92,14 @@ class StepView:
 
     others: tuple[GraphShare, ...] = ()
 
-    def target_bytes(self, budget: int | float, baseline: int, minimum: int) -> StepTarget:
+    def target_bytes(self, asked: MemoryBudget, baseline: int, minimum: int) -> StepTarget:
         """Activation memory this graph should reach for a byte or fraction budget."""
         held = sum(s.planned_bytes + s.resident_bytes for s in self.others)
-        if isinstance(budget, float):
-            share = budget * (sum(s.baseline_bytes for s in self.others) + baseline) - held
+        if asked.fraction is not None:
+            share = asked.fraction * (sum(s.baseline_bytes for s in self.others) + baseline) \
+                - held
             return StepTarget(int(min(max(share, minimum), baseline)))
+        budget = asked.nbytes
         if budget - held >= minimum:
             return StepTarget(int(min(budget - held, baseline)))
         step_minimum = minimum + sum(s.minimum_bytes for s in self.others)
@@ -124,8 +128,15 @@ class StepView:
         return limit - sum(s.host_bytes for s in self.others)
 
 
-GraphId = tuple[int, int, int]
-"""(frame id, compilation of that frame, position of the graph in that compilation)."""
+class GraphId(NamedTuple):
+    """One graph of the step: where dynamo compiled it."""
+
+    frame: int
+    compilation: int
+    """Which compilation of that frame (a recompile replaces the frame's earlier graphs)."""
+    position: int
+    """The graph's position in that compilation: above 0 only when a frame made several graphs,
+    which DDPOptimizer does (a graph break resumes in a new frame)."""
 
 
 def current_graph_id(counter: dict[tuple[int, int], int]) -> GraphId:
@@ -135,7 +146,7 @@ def current_graph_id(counter: dict[tuple[int, int], int]) -> GraphId:
                                                      compile_id.frame_compile_id)
     position = counter.get(frame, 0)
     counter[frame] = position + 1
-    return (*frame, position)
+    return GraphId(*frame, position)
 
 
 class StepBudget:
@@ -170,9 +181,9 @@ class StepBudget:
         latest: dict[int, int] = {}
         for frame, compilation, _ in self._shares:
             latest[frame] = max(latest.get(frame, compilation), compilation)
-        latest[graph[0]] = max(latest.get(graph[0], graph[1]), graph[1])
+        latest[graph.frame] = max(latest.get(graph.frame, graph.compilation), graph.compilation)
         return {key: share for key, share in self._shares.items()
-                if key == graph or key[1] == latest[key[0]]}
+                if key == graph or key.compilation == latest[key.frame]}
 
     def _others(self, graph: GraphId) -> list[GraphShare]:
         """Shares of the step's other graphs."""

@@ -56,8 +56,10 @@ Emits: no nodes; only decisions change.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import enum
+import operator
 import warnings
 
 import torch
@@ -184,65 +186,141 @@ CHAINED = ("its recomputation would chain two others: a chain of rebuilds runs a
 """Why a storage the selection takes is offloaded instead of recomputed (:class:`_Rebuilds`)."""
 
 
-@dataclasses.dataclass
-class _Rebuild:
-    """A taken recomputation: the nodes it rebuilds and the nodes its chain reads."""
+def compact_storages(graphs: StormGraphs, movable: tuple[Storage, ...]) -> frozenset[fx.Node]:
+    """Roots of the movable storages whose forward lifetime holds no other: no other movable
+    storage's root is made between the storage's root and its last forward read, other items
+    of the same multi-output op aside (the feed-forward's input norm, up projection and
+    activation, each read right after it is made; not a residual sum, read again at the end of
+    the next sub-block)."""
+    order = {n: i for i, n in enumerate(graphs.forward.graph.nodes)}
+    made: dict[fx.Node, list[int]] = {}
+    for storage in movable:
+        made.setdefault(_producer(storage.root), []).append(order[storage.root])
+    every = sorted(p for positions in made.values() for p in positions)
+    compact = set()
+    for storage in movable:
+        start = order[storage.root]
+        last = max((order[u] for n in (storage.root, *storage.members) for u in n.users
+                    if u.op != "output"), default=start)
+        own = sorted(made[_producer(storage.root)])
+        if _between(every, start, last) == _between(own, start, last):
+            compact.add(storage.root)
+    return frozenset(compact)
 
+
+def _producer(root: fx.Node) -> fx.Node:
+    """The op that makes ``root``: its multi-output op for an item of one."""
+    return root.args[0] if root.target is operator.getitem else root
+
+
+def _between(positions: list[int], start: int, end: int) -> int:
+    """How many of the sorted ``positions`` lie strictly between ``start`` and ``end``."""
+    return max(0, bisect.bisect_left(positions, end) - bisect.bisect_right(positions, start))
+
+
+@dataclasses.dataclass(eq=False)
+class _Rebuild:
+    """A taken recomputation: its storage's root, the nodes it rebuilds and the nodes its chain
+    reads; and the group it joined through free links (:class:`_Rebuilds`)."""
+
+    root: fx.Node
     nodes: set[fx.Node]
     reads: set[fx.Node]
+    group: "_Rebuild | None" = None
+    """Another rebuild of its group, towards the one that stands for it (None: this one)."""
     reads_rebuilt: bool = False
-    """Its chain reads another taken recomputation's nodes."""
+    """The group's chains read another group's nodes through a counted link."""
     read_by_rebuild: bool = False
-    """Another taken recomputation's chain reads its nodes."""
+    """Another group's chain reads the group's nodes through a counted link."""
+
+    def head(self) -> "_Rebuild":
+        """The rebuild that stands for this one's group, and holds its flags."""
+        head = self
+        while head.group is not None:
+            head = head.group
+        return head
+
+
+@dataclasses.dataclass(frozen=True)
+class _Links:
+    """How a new rebuild would join the taken ones: the groups it would merge with through
+    free links, and those it reads and is read by through counted links."""
+
+    merged: frozenset[_Rebuild]
+    reads: frozenset[_Rebuild]
+    read_by: frozenset[_Rebuild]
+
+    @property
+    def clashes(self) -> bool:
+        """Whether the group it would make sits in a chain of two counted links."""
+        if self.merged & (self.reads | self.read_by):
+            return True
+        reads = bool(self.reads) or any(g.reads_rebuilt for g in self.merged)
+        read_by = bool(self.read_by) or any(g.read_by_rebuild for g in self.merged)
+        return (reads and read_by) or any(g.reads_rebuilt for g in self.reads) \
+            or any(g.read_by_rebuild for g in self.read_by)
 
 
 class _Rebuilds:
-    """The recomputations a selection has taken, none two links from another.
+    """The recomputations a selection has taken, no group two counted links from another.
 
     The partitioner rebuilds a chain at the first backward use of anything in it and keeps each
     rebuilt value for its own uses, so a recomputation that reads another one's value brings
-    that rebuild forward to its own first use. One link moves a rebuild by one step (the loss's
-    log-softmax reading the final norm's output). Longer chains (each layer's residual sum
-    rebuilt from the one before) are rebuilt together at the top of the backward and held
-    there: on a 1B Llama, a budget of 0.3 measured a higher peak than 0.5 before this rule.
+    that rebuild forward to its own first use, and holds it from there. Between two
+    :func:`compact_storages` that stretch holds no other saved value's use, so such a link is
+    free: the feed-forward rebuilt from its input norm, up projection and activation runs at the
+    activation's first use, as it would from kept inputs. Rebuilds joined by free links form a
+    group; other links count, between groups. One counted link moves a group's rebuild by one
+    step (the loss's log-softmax reading the final norm's output); longer counted chains (each
+    layer's residual sum rebuilt from the one before, directly or through the sub-block between
+    them) are rebuilt together at the top of the backward and held there: on a 1B Llama, a
+    budget of 0.3 measured a higher peak than 0.5 before this rule.
 
     The taken rebuilds are indexed by the nodes they rebuild and the nodes they read, so a
     question costs the size of one chain, not the number taken (an 80-layer model takes
     thousands)."""
 
-    def __init__(self) -> None:
+    def __init__(self, compact: frozenset[fx.Node] = frozenset()) -> None:
+        self._compact = compact
         self._rebuilt_by: dict[fx.Node, list[_Rebuild]] = {}
         self._read_by: dict[fx.Node, list[_Rebuild]] = {}
 
     @staticmethod
     def _of(item: _Item) -> _Rebuild:
         nodes = {item.root, *item.storage.members, *item.chain}
-        return _Rebuild(nodes, {a for n in item.chain for a in n.all_input_nodes} - nodes)
+        return _Rebuild(item.root, nodes,
+                        {a for n in item.chain for a in n.all_input_nodes} - nodes)
 
-    def _links(self, new: _Rebuild) -> tuple[list[_Rebuild], list[_Rebuild]]:
-        """The taken rebuilds ``new`` reads, and those that read ``new``."""
+    def _links(self, new: _Rebuild) -> _Links:
         reads = {id(t): t for n in new.reads for t in self._rebuilt_by.get(n, ())}
         read_by = {id(t): t for n in new.nodes for t in self._read_by.get(n, ())}
-        return list(reads.values()), list(read_by.values())
+        free = new.root in self._compact
+        merged = {t.head() for t in (*reads.values(), *read_by.values())
+                  if free and t.root in self._compact}
+        return _Links(frozenset(merged),
+                      frozenset(t.head() for t in reads.values()) - merged,
+                      frozenset(t.head() for t in read_by.values()) - merged)
 
     def clashes(self, item: _Item) -> bool:
-        """Whether taking ``item``'s recomputation would make a chain of two links."""
-        if item.action is not Action.RECOMPUTE:
-            return False
-        reads, read_by = self._links(self._of(item))
-        return bool(reads and read_by) or any(t.reads_rebuilt for t in reads) \
-            or any(t.read_by_rebuild for t in read_by)
+        """Whether taking ``item``'s recomputation would put a group in a chain of two counted
+        links."""
+        return item.action is Action.RECOMPUTE and self._links(self._of(item)).clashes
 
     def take(self, item: _Item) -> None:
         if item.action is not Action.RECOMPUTE:
             return
         new = self._of(item)
-        reads, read_by = self._links(new)
-        for taken in reads:
-            taken.read_by_rebuild = True
-        for taken in read_by:
-            taken.reads_rebuilt = True
-        new.reads_rebuilt, new.read_by_rebuild = bool(reads), bool(read_by)
+        links = self._links(new)
+        for group in links.merged:
+            group.group = new
+            new.reads_rebuilt |= group.reads_rebuilt
+            new.read_by_rebuild |= group.read_by_rebuild
+        for group in links.reads:
+            group.read_by_rebuild = True
+        for group in links.read_by:
+            group.reads_rebuilt = True
+        new.reads_rebuilt |= bool(links.reads)
+        new.read_by_rebuild |= bool(links.read_by)
         for node in new.nodes:
             self._rebuilt_by.setdefault(node, []).append(new)
         for node in new.reads:
@@ -277,11 +355,12 @@ class _Ways:
     """Offloads past the host's room that cannot be recomputed instead."""
 
 
-def _unchained(items: list[_Item], room: int) -> _Ways:
+def _unchained(items: list[_Item], room: int, compact: frozenset[fx.Node]) -> _Ways:
     """``items`` split into :class:`_Ways`, their offloads holding at most ``room`` bytes of
     pinned host memory together: an offload past it is recomputed instead when it can be (and
-    its recomputation clashes with none taken), else refused."""
-    rebuilds, first, later, refused, held = _Rebuilds(), [], [], [], 0
+    its recomputation clashes with none taken, :class:`_Rebuilds` over ``compact``), else
+    refused."""
+    rebuilds, first, later, refused, held = _Rebuilds(compact), [], [], [], 0
     for item in items:
         if item.action is Action.OFFLOAD and held + _host_bytes(item) > room:
             if item.figures.recompute_s is None:
@@ -373,11 +452,11 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
     return _Target(Goal.BYTES, aim.nbytes, aim.over_bytes)
 
 
-def _within(items: list[_Item], allowance: float, room: int
+def _within(items: list[_Item], allowance: float, room: int, compact: frozenset[fx.Node]
             ) -> tuple[list[_Item], list[_Item]]:
     """The longest prefix of ``items`` (:func:`_unchained` with ``room``) whose summed cost
     stays within ``allowance``, and the items refused for the host's room."""
-    ways = _unchained(items, room)
+    ways = _unchained(items, room, compact)
     taken, spent = [], 0.0
     for item in (*ways.first, *ways.later):
         if spent + item.cost_s > allowance:
@@ -387,11 +466,12 @@ def _within(items: list[_Item], allowance: float, room: int
     return taken, ways.refused
 
 
-def _covering(items: list[_Item], need: int, room: int) -> tuple[list[_Item], list[_Item]]:
+def _covering(items: list[_Item], need: int, room: int, compact: frozenset[fx.Node]
+              ) -> tuple[list[_Item], list[_Item]]:
     """The shortest prefix of ``items`` (:func:`_unchained` with ``room``) whose bytes reach
     ``need``, less the items, dearest per byte first, that it still reaches ``need`` without
     (so memory lands close to the budget); and the items refused for the host's room."""
-    ways = _unchained(items, room)
+    ways = _unchained(items, room, compact)
     taken, covered = [], 0
     for item in (*ways.first, *ways.later):
         if covered >= need:
@@ -412,16 +492,16 @@ until the set of hiding storages stops changing (two or three rounds on transfor
 
 
 def _select(ranked: list[_Item], target: _Target, need: int, allowance: float,
-            room: int) -> tuple[list[_Item], list[_Item]]:
+            room: int, compact: frozenset[fx.Node]) -> tuple[list[_Item], list[_Item]]:
     """The items taken, and those refused for the host's ``room``."""
     if target.goal is Goal.HIDDEN:
         hidden = sorted((i for i in ranked if i.figures.hides), key=lambda i: -i.nbytes)
         return _within([dataclasses.replace(i, figures=dataclasses.replace(
             i.figures, recompute_s=None, no_recompute="no budget set")) for i in hidden],
-            NO_BUDGET_SHARE * allowance, room)
+            NO_BUDGET_SHARE * allowance, room, compact)
     if target.goal is Goal.AUTO:
-        return _within(ranked, allowance, room)
-    return _covering(ranked, need, room)
+        return _within(ranked, allowance, room, compact)
+    return _covering(ranked, need, room, compact)
 
 
 def _host_full_error(need: int, covered: int, room: int, ctx: PassContext) -> str:
@@ -462,10 +542,11 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     room = ctx.others.host_room(ctx.config.host_memory_limit)
 
     hiding = place(graphs, movable, set(), ctx).storages
+    compact = compact_storages(graphs, movable)
     best = None
     for _ in range(MAX_PLAN_ROUNDS):
         ranked = _items(graphs, movable, hiding, ctx, no_recompute)
-        taken, refused = _select(ranked, target, need, allowance, room)
+        taken, refused = _select(ranked, target, need, allowance, room, compact)
         if _better(taken, best and best[1], target):
             best = (ranked, taken, hiding, refused)
         recomputed = {i.root for i in taken if i.action is Action.RECOMPUTE}

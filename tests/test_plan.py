@@ -234,6 +234,67 @@ def test_recomputations_never_chain_two_links():
     assert not rebuilds.clashes(SimpleNamespace(action=Action.OFFLOAD))
 
 
+def _rebuild_of(node):
+    """A recomputation of ``node`` alone, as the selection sees it."""
+    from types import SimpleNamespace
+
+    from storm_compile.fx.plan import Action
+    return SimpleNamespace(action=Action.RECOMPUTE, root=node, chain=(node,),
+                           storage=SimpleNamespace(members=()))
+
+
+def _feed_forward(x):
+    s = x * 2                  # a residual sum: read again after the feed-forward
+    up = torch.relu(s)         # the feed-forward's values, each read right after it is made
+    act = torch.sigmoid(up)
+    down = torch.tanh(act)
+    return s * down
+
+
+def test_links_between_compact_storages_are_free_and_groups_count_as_one():
+    """Rebuilds that read each other only through compact storages form one group, however
+    long; the group is one link of a counted chain: reading a rebuilt residual sum and being
+    read by another is two counted links."""
+    from storm_compile.passes.plan_memory import _Rebuilds
+
+    graph = fx.symbolic_trace(_feed_forward).graph
+    s, up, act, down, out = [n for n in graph.nodes if n.op in ("call_function",
+                                                                "call_method")]
+    feed_forward = frozenset({up, act, down})
+    rebuilds = _Rebuilds(feed_forward)
+    for node in (up, act, down):
+        assert not rebuilds.clashes(_rebuild_of(node))
+        rebuilds.take(_rebuild_of(node))
+    assert not rebuilds.clashes(_rebuild_of(s)) and not rebuilds.clashes(_rebuild_of(out))
+    rebuilds.take(_rebuild_of(s))
+    assert rebuilds.clashes(_rebuild_of(out))
+
+    counted = _Rebuilds()
+    counted.take(_rebuild_of(up))
+    counted.take(_rebuild_of(act))
+    assert counted.clashes(_rebuild_of(down))
+
+
+def test_compact_storages_are_those_read_before_another_is_made():
+    """In a planned gpt, the feed-forward's values are compact and the residual sums are not."""
+    from storm_compile.passes.plan_memory import compact_storages
+
+    graphs = capture("gpt", **_budget_options(0.5))
+    movable = graphs.storages.movable()
+    compact = compact_storages(graphs, movable)
+    order = {n: i for i, n in enumerate(graphs.forward.graph.nodes)}
+    made = sorted(order[s.root] for s in movable)
+    for storage in movable:
+        reads = [order[u] for u in storage.root.users if u.op != "output"]
+        between = [p for p in made if order[storage.root] < p < max(reads, default=0)]
+        if not between:
+            assert storage.root in compact, storage.root
+    sums = [s.root for s in movable if s.root.target is torch.ops.aten.add.Tensor]
+    assert sums and not any(s in compact for s in sums)
+    assert any(s.root.target is torch.ops.aten.mm.default and s.root in compact
+               for s in movable)
+
+
 def _offloaded_host_bytes(graphs) -> int:
     return sum(bucket_bytes(s.nbytes) for s, d in graphs.storages if d.action is Action.OFFLOAD)
 

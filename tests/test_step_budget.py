@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from helpers import CPU_TEST_OPTIONS
-from storm_compile import StormBackend, StormConfig
+from storm_compile import StormBackend, StormConfig, storm
 from storm_compile.cli.models import GPTShape, build_gpt
 from storm_compile.config import MemoryBudget
 from storm_compile.cost.simulate import simulate
@@ -213,6 +213,54 @@ def test_fraction_budget_holds_over_graph_breaks():
     assert planned <= 0.5 * baseline
     small = captured[0].plan
     assert small.target_bytes == small.minimum_bytes > 0.5 * small.baseline.activation_bytes
+
+
+def test_a_graph_planned_in_a_later_step_takes_the_place_of_the_one_run_there():
+    """Once a step has finished, a new graph is planned beside the graphs the step ran before
+    it and those the last step ran after the point it takes, not beside the one it replaces."""
+    step, other_side = StepBudget(), GraphId(2, 0, 0)
+    step.record(FIRST, _share(300, 300, 300))
+    step.record(SECOND, _share(400, 400, 400))
+    view = step.view(other_side)
+    assert sorted(s.planned_bytes for s in view.others) == [300, 400], "no step has finished"
+    for release in [step.ran(FIRST, None), step.ran(SECOND, None)]:
+        release()
+    step.ran(FIRST, None)
+    assert [s.planned_bytes for s in step.view(other_side).others] == [300]
+    assert step.view(other_side).target_bytes(_bytes(800), baseline=500,
+                                              minimum=450).nbytes == 500
+
+
+class Branches(nn.Module):
+    """A data-dependent branch: dynamo compiles the code after it once per side, as two
+    frames, and the sides alternate between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+        self.one = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+        self.other = nn.Sequential(nn.Linear(256, 512), nn.Tanh(), nn.Linear(512, 256))
+
+    def forward(self, x: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+        h = self.before(x)
+        h = self.one(h) if side > 0 else self.other(h)
+        return h.pow(2).mean()
+
+
+BRANCH_BUDGET = "5MB"
+"""Above what the part before the branch and one side keep (about 4.7 MB, every activation
+kept: ``min_offload_bytes`` above them all), below what it and both sides keep (6.3 MB)."""
+
+
+def test_sides_of_a_branch_never_share_a_byte_budget():
+    torch.manual_seed(0)
+    model = Branches()
+    run = torch.compile(model, backend=storm(**{
+        **CPU_TEST_OPTIONS, "offload": "hidden", "memory_budget": BRANCH_BUDGET,
+        "min_offload_bytes": 10**8}))
+    x = torch.randn(512, 256)
+    for side in (1, -1, 1, -1):
+        run(x, torch.tensor(side)).backward()
 
 
 def test_byte_budget_below_the_steps_minimum_is_the_only_budget_error():

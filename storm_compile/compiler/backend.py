@@ -198,7 +198,7 @@ class StormBackend:
             return compiled
         if budget.given and step.last.position > 0:
             self._warn_split()
-        if budget.nbytes is None:
+        if not budget.given:
             return compiled
         return _counting_runs(compiled, step, step.last, budget.nbytes)
 
@@ -273,12 +273,12 @@ class StormBackend:
             RuntimeWarning, stacklevel=2)
 
 
-def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int
+def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int | None
                    ) -> Callable:
     """``compiled``, telling ``step`` of each run that autograd will take a backward through
-    (:meth:`StepBudget.ran`: a byte budget is the step's, however many times the graph runs in
-    it), and releasing the run when its backward starts or its autograd graph is freed
-    unused."""
+    (:meth:`StepBudget.ran`: which graphs a step runs, and a byte ``budget`` is the step's,
+    however many times the graph runs in it), and releasing the run when its backward starts
+    or its autograd graph is freed unused."""
 
     def run(*args: Any) -> Any:
         outputs = compiled(*args)

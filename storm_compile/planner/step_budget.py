@@ -6,7 +6,11 @@ knowing what the graphs compiled before it planned. Graphs are planned in the or
 compiles them (for DDP, every bucket's piece during the first forward), and a
 :class:`StepBudget` keeps one :class:`GraphShare` per graph of the step, keyed by the frame that
 made it and its position within that frame's compilation; a recompilation of the same frame
-(new shapes, a failed guard) replaces that frame's graphs. A graph's passes plan against a
+(new shapes, a failed guard) replaces that frame's graphs. A step ends when each of its forward
+runs has had its backward (or dropped its outputs); once one has ended, a graph first planned in
+a later step takes the place of the graph the last step ran at that point (the other side of a
+data-dependent branch), beside the graphs this step ran before it and those the last step ran
+after that point (:meth:`StepBudget._other_shares`). A graph's passes plan against a
 :class:`StepView`, a frozen copy of the other graphs' shares, and return their own share; the
 pipeline records it.
 
@@ -158,6 +162,10 @@ class StepBudget:
         self._warned = False
         self._runs: dict[GraphId, int] = {}
         """Runs of each graph whose backward is still to come."""
+        self._ran: list[GraphId] = []
+        """The graphs the step under way ran, in order."""
+        self._before: tuple[GraphId, ...] | None = None
+        """The graphs the last finished step ran, in order (None before the first ends)."""
         self.last: GraphId | None = None
         """The graph recorded last."""
 
@@ -171,9 +179,7 @@ class StepBudget:
     def ledger_key(self, graph: GraphId) -> str:
         """What ``graph``'s plan is made against: the other graphs of the step and their
         shares. Part of the graph's cache key under a budget."""
-        others = sorted((key, share) for key, share in self._step(graph).items()
-                        if key != graph)
-        return repr(others)
+        return repr(sorted(self._other_shares(graph).items()))
 
     def _step(self, graph: GraphId) -> dict[GraphId, GraphShare]:
         """Shares of the step's graphs, ``graph`` included when recorded: a later compilation
@@ -185,16 +191,36 @@ class StepBudget:
         return {key: share for key, share in self._shares.items()
                 if key == graph or key.compilation == latest[key.frame]}
 
-    def _others(self, graph: GraphId) -> list[GraphShare]:
-        """Shares of the step's other graphs."""
-        return [share for key, share in self._step(graph).items() if key != graph]
+    def _other_shares(self, graph: GraphId) -> dict[GraphId, GraphShare]:
+        """Shares of the graphs that run in ``graph``'s step. Until a step has finished, every
+        graph recorded so far. Then a step is expected to run as the last one did: a graph
+        planned in a later step runs where it is reached, in place of the graph the last step
+        ran at that point (the other side of a data-dependent branch, a frame recompiled for
+        new shapes), beside the graphs this step ran before it and those the last step ran
+        after that point. Alternatives that never run in one step so never share a budget."""
+        return {key: share for key, share in self._in_step(graph, len(self._ran) + 1).items()
+                if key != graph}
 
-    def ran(self, graph: GraphId, budget: int) -> Callable[[], None]:
-        """``graph`` ran a forward whose backward is still to come; raise
-        :class:`StormBudgetError` when the runs whose backward is to come hold more than
-        ``budget`` bytes. Returns what to call once the run's backward starts or its autograd
-        graph is gone (either, any number of times)."""
+    def _in_step(self, graph: GraphId, rest: int) -> dict[GraphId, GraphShare]:
+        """Shares of the step's graphs (:meth:`_step`) that run in the step under way: those
+        it ran, and those the last step ran from position ``rest`` on."""
+        shares = self._step(graph)
+        if self._before is None:
+            return shares
+        coming = {*self._ran, *self._before[rest:]}
+        return {key: share for key, share in shares.items() if key in coming}
+
+    def _others(self, graph: GraphId) -> list[GraphShare]:
+        """Shares of the other graphs of ``graph``'s step (:meth:`_other_shares`)."""
+        return list(self._other_shares(graph).values())
+
+    def ran(self, graph: GraphId, budget: int | None) -> Callable[[], None]:
+        """``graph`` ran a forward whose backward is still to come; under a byte ``budget``,
+        raise :class:`StormBudgetError` when the runs whose backward is to come hold more than
+        it. Returns what to call once the run's backward starts or its autograd graph is gone
+        (either, any number of times); when no run is left waiting, the step has finished."""
         runs = self._runs[graph] = self._runs.get(graph, 0) + 1
+        self._ran.append(graph)
         released = False
 
         def release() -> None:
@@ -202,10 +228,12 @@ class StepBudget:
             if not released:
                 released = True
                 self._runs[graph] -= 1
+                if not any(self._runs.values()):
+                    self._before, self._ran = tuple(self._ran), []
 
-        if runs < 2:
+        if runs < 2 or budget is None:
             return release
-        shares = self._step(graph)
+        shares = self._in_step(graph, len(self._ran))
         # Every graph of the step holds at least the one run it was planned for.
         held = sum(max(self._runs.get(key, 0), 1) * share.planned_bytes + share.resident_bytes
                    for key, share in shares.items())

@@ -88,8 +88,11 @@ def test_runs_of_one_graph_before_the_backward_count_against_a_byte_budget():
     step.record(FIRST, _share(100, 0, 40))
     step.ran(FIRST, budget=100)
     step.ran(FIRST, budget=100)          # two runs hold 80 of 100
-    with pytest.raises(StormBudgetError, match="ran 3 times before the backward"):
+    with pytest.raises(StormBudgetError, match="ran 3 times before the backward") as caught:
         step.ran(FIRST, budget=100)
+    for cause in ("identical blocks", "several forwards before one backward",
+                  "run validation under torch.no_grad()"):
+        assert cause in str(caught.value)
 
 
 def test_a_run_released_by_its_backward_no_longer_counts():

@@ -242,12 +242,15 @@ class StepBudget:
             planned = shares[graph].planned_bytes
             raise StormBudgetError(
                 f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one "
-                f"of its compiled graphs ran {runs} times before the backward (identical "
-                f"blocks compile to one graph when each is compiled on its own or sits behind "
-                f"FSDP2's hooks): planned for one run at {planned} bytes "
-                f"({planned / GIB:.3f} GiB), the step would hold {held} bytes "
-                f"({held / GIB:.3f} GiB). Give memory_budget as a fraction (such as "
-                f"0.5), which holds for every run, or in bytes divided by the runs")
+                f"of its compiled graphs ran {runs} times before the backward: planned for one "
+                f"run at {planned} bytes ({planned / GIB:.3f} GiB), the step would hold {held} "
+                f"bytes ({held / GIB:.3f} GiB). A graph runs several times before a backward "
+                f"when identical blocks compile to one graph (each compiled on its own, or "
+                f"behind FSDP2's hooks), when a step makes several forwards before one backward "
+                f"(a siamese or GAN step), or when an earlier forward's outputs still hold its "
+                f"autograd graph (a validation loss kept with grad enabled: run validation "
+                f"under torch.no_grad(), or keep loss.item()). Give memory_budget as a fraction "
+                f"(such as 0.5), which holds for every run, or in bytes divided by the runs")
         return release
 
     def view(self, graph: GraphId) -> StepView:

@@ -181,8 +181,9 @@ def _rank(item: _Item) -> tuple[float, str]:
     return item.cost_s / item.nbytes, item.root.name
 
 
-CHAINED = ("its recomputation would chain two others: a chain of rebuilds runs at the first "
-           "use of its last link and holds the rest until their own uses")
+CHAINED = ("its recomputation would make a chain of two counted links (through a value read "
+           "long after it is made): a chain of rebuilds runs at the first use of its last link "
+           "and holds the rest until their own uses")
 """Why a storage the selection takes is offloaded instead of recomputed (:class:`_Rebuilds`)."""
 
 

@@ -11,7 +11,7 @@ The model. Removing storage ``i`` (``b_i`` bytes) from the device at the end of 
     random numbers or makes a data-dependent choice (``topk``, ``argmax``, ``sort``, the
     indices of ``max``, ``nonzero``: ``vocabulary.CHOICE_OPS``, whose recomputation from
     values a last bit apart could choose differently in the backward), with
-    ``recompute=False``, or after the re-split.
+    ``recompute=False``, or after ``rematerialize``.
 Each storage's cheap way is ``c_i = min(o_i, r_i)``, and storages are ranked by ``c_i / b_i``.
 With a byte target the planner takes the shortest prefix of the ranking whose bytes reach it,
 then drops, dearest first, the storages it can do without (so memory lands near the target);
@@ -32,7 +32,7 @@ hide together still hides.
 
 Assumes: ``plan_offload`` built ``graphs.storages`` (every storage that may move is movable);
 ``annotate_costs`` ran. On the first split ``graphs.plan`` is None; after ``rematerialize``
-re-split the joint graph it holds the plan, and only offloads are chosen again, for the same
+rebuilt the pair it holds the plan, and only offloads are chosen again, for the same
 target.
 Guarantees: ``graphs.plan`` is set (the no-storm baseline prediction, target, minimum, what is
 recomputed); every movable storage's decision in ``graphs.storages`` is ``keep``, ``offload``

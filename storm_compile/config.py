@@ -232,8 +232,8 @@ class StormConfig:
     """Predicted step-time overhead ``memory_budget="auto"`` may spend, as a fraction."""
 
     recompute: bool = True
-    """Let the planner rebuild activations in the backward (through the partitioner's recompute
-    tags) where that is predicted cheaper than a copy that cannot hide. False: offloads only."""
+    """Let the planner rebuild activations in the backward where that is predicted cheaper
+    than a copy that cannot hide. False: offloads only."""
 
     profile: str = DEFAULT_PROFILE
     """Device profile for the cost model: a built-in name (``h100``, ``h200``, ``a100-pcie``,

@@ -220,7 +220,7 @@ def test_cli_resolves_profiles_as_the_backend_does(monkeypatch):
 def test_schedule_timings_prints_each_pass_record(capsys):
     """``--timings``: after the schedule, one row per pass run in order, from the graphs' pass
     records (the joint graph as captured and its passes, then ``split``; a budget that
-    recomputes splits again), and the same records under ``"passes"`` in JSON."""
+    recomputes rebuilds values in the backward), and the same records under ``"passes"`` in JSON."""
     argv = ["schedule", "gpt", *TINY_SHAPE, "--memory-budget", "0.3"]
     assert main([*argv, "--timings"]) == 0
     out = capsys.readouterr().out
@@ -235,7 +235,7 @@ def test_schedule_timings_prints_each_pass_record(capsys):
                                     "plan_memory", "plan_weights", "place_transfers",
                                     "insert_transfers"]
     assert all(float(r[1]) >= 0 for r in rows)
-    assert " ".join(rows[7][2:]) == "split again"
+    assert " ".join(rows[7][2:]) == "recomputed values rebuilt in the backward"
     assert main([*argv, "--timings", "--format", "json"]) == 0
     passes = json.loads(capsys.readouterr().out)["passes"]
     assert [p["name"] for p in passes] == [r[0] for r in rows]

@@ -6,8 +6,8 @@ saved view (256 B) stays. The forward waits after ``sum_1``, the last compute no
 prefetches right after its inputs and moves the saved view's replays after the wait.
 
 Recompute: under ``memory_budget=0.5`` relu must leave; rebuilding it (``mm`` and ``relu``,
-1 µs each) beats its 10 µs copy, so the partitioner, driven by the recompute tags, saves the
-graph inputs instead and reruns both ops in the backward right before their first use.
+1 µs each) beats its 10 µs copy, so ``rematerialize`` saves the graph inputs instead and reruns
+both ops in the backward right before their first use.
 
 Streamed: the same function as a module whose two weights live in host memory
 (``stream_parameters``, cpu-test profile, defaults otherwise): each graph prefetches every weight
@@ -144,7 +144,7 @@ def test_offload_decision_fields():
 
 
 def test_recompute_decision_fields():
-    """Rebuilding relu (mm and relu, 1 µs each) beats its 10.2 µs copy; the re-split saves
+    """Rebuilding relu (mm and relu, 1 µs each) beats its 10.2 µs copy; the rebuilt pair saves
     neither, and the plan keeps the decision for the report."""
     graphs, _ = capture_tiny(RECOMPUTE_OPTIONS)
     assert "relu" not in _decisions(graphs)

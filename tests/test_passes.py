@@ -3,7 +3,6 @@
 import pytest
 import torch
 from torch import fx
-from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import capture, compute_between, cost_model, nodes
 from storm_compile.compiler.pipeline import run_passes
@@ -12,7 +11,7 @@ from storm_compile.cost.simulate import simulate
 from storm_compile.fx import graphs as graphs_module
 from storm_compile.fx.graphs import COST_KEY, PassContext, StormGraphs, model_outputs, saved_values
 from storm_compile.fx.plan import Action, Rule, Unplaced
-from storm_compile.fx.vocabulary import RECOMPUTE_TAG, storage_owner
+from storm_compile.fx.vocabulary import storage_owner
 from storm_compile.passes import StormVerificationError, verify_graphs
 from storm_compile.runtime import ops
 from zoo import ZOO
@@ -135,26 +134,20 @@ def test_idempotent(name):
     assert again.forward.code == fw_code and again.backward.code == bw_code
 
 
-def test_a_joint_graph_is_partitioned_once_per_set_of_recompute_tags(monkeypatch):
+def test_a_joint_graph_is_partitioned_once(monkeypatch):
     joint = capture("gpt").joint
     partitions = []
     partition = graphs_module.min_cut_rematerialization_partition
     monkeypatch.setattr(graphs_module, "min_cut_rematerialization_partition",
                         lambda *args, **kwargs: partitions.append(1) or partition(*args, **kwargs))
     first, again = joint.split(), joint.split()
-    assert not partitions, "the pipeline's last split is reused"
+    assert not partitions, "the pipeline's split is reused"
     assert first[1] is not again[1] and first[1].code == again[1].code
     first[1].graph.erase_node(next(iter(first[1].graph.find_nodes(op="output"))))
     names = [n.name for n in again[1].graph.nodes]
     assert names == [n.name for n in joint.split()[1].graph.nodes], \
         "a copy's rewrite leaves the others alone"
     assert len(first[1].graph.nodes) == len(names) - 1
-    untagged = next(n for n in joint.module.graph.nodes
-                    if n.op == "call_function" and RECOMPUTE_TAG not in n.meta)
-    untagged.meta[RECOMPUTE_TAG] = CheckpointPolicy.MUST_SAVE
-    joint.split()
-    joint.split()
-    assert len(partitions) == 1, "new tags are partitioned once"
 
 
 @pytest.mark.parametrize("name", MODELS)

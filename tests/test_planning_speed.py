@@ -1,5 +1,5 @@
-"""Planning does each piece of work once: the partitioner once per set of recompute tags and its
-common-subexpression elimination once per joint graph, whose code is never generated, the
+"""Planning does each piece of work once: the partitioner once per joint graph, whose code is
+never generated, the
 storage decisions once per plan that differs in more than the room for resident weights, and
 the placement's and rewrite's shortcuts give what the long way gives. Counts, never timings."""
 
@@ -8,13 +8,11 @@ import random
 
 import pytest
 import torch
-from torch._functorch import partitioners
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from torch.utils.checkpoint import CheckpointPolicy
 
-from helpers import CPU_TEST_OPTIONS, capture, cost_model
+from helpers import CPU_TEST_OPTIONS, cost_model
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
 from storm_compile.compiler import pipeline
 from storm_compile.compiler.backend import StormBackend
@@ -23,7 +21,6 @@ from storm_compile.cost.placement import _InFlight
 from storm_compile.cost.simulate import device_bytes, simulate
 from storm_compile.fx import graphs as graphs_module
 from storm_compile.fx.plan import Unplaced
-from storm_compile.fx.vocabulary import RECOMPUTE_TAG
 from storm_compile.runtime import ops
 from storm_compile.weights import streaming
 
@@ -73,10 +70,10 @@ def _counting(monkeypatch, module, name: str, seen: list, record=lambda result: 
     monkeypatch.setattr(module, name, counted)
 
 
-def test_a_budget_partitions_once_per_set_of_recompute_tags(monkeypatch):
-    """Re-plans under a byte budget split the joint graph again with the capture's tags and
-    with each plan's recomputation: the partitioner runs for the capture's tags once (even
-    after its first run pruned the joint graph) and once for each distinct recomputed set."""
+def test_a_budget_partitions_once(monkeypatch):
+    """Re-plans under a byte budget start from copies of the one split, and each plan's
+    recomputation is rebuilt on its copy: the partitioner runs once, however many plans
+    recompute."""
     budget = _budget(FEW_ROOM_BYTES)
     partitions, recomputed = [], []
     _counting(monkeypatch, graphs_module, "min_cut_rematerialization_partition", partitions,
@@ -85,21 +82,8 @@ def test_a_budget_partitions_once_per_set_of_recompute_tags(monkeypatch):
               lambda graphs: frozenset(graphs.plan.recompute))
     _streamed_graphs(offload="hidden", memory_budget=budget, recompute=True)
     distinct = {names for names in recomputed if names}
-    assert len(recomputed) > 1 and distinct, "the budget makes re-plans that recompute"
-    assert len(partitions) == 1 + len(distinct)
-
-
-def test_only_the_first_split_eliminates_common_subexpressions(monkeypatch):
-    """Re-splits skip the partitioner's common-subexpression elimination (a copy of the whole
-    joint graph): the graph the first split left has none left to eliminate."""
-    eliminate, budget = partitioners.fx_graph_cse, _budget(FEW_ROOM_BYTES)
-    partitions, eliminations = [], []
-    _counting(monkeypatch, graphs_module, "min_cut_rematerialization_partition", partitions)
-    _counting(monkeypatch, partitioners, "fx_graph_cse", eliminations)
-    graphs = _streamed_graphs(offload="hidden", memory_budget=budget, recompute=True)
-    joint = graphs.joint.module.graph
-    assert len(partitions) > 1 and len(eliminations) == 1
-    assert len(eliminate(joint).nodes) == len(joint.nodes)
+    assert len(recomputed) > 1 and len(distinct) > 1, "the budget makes re-plans that recompute"
+    assert len(partitions) == 1
 
 
 def test_the_joint_graph_never_generates_its_code():
@@ -110,24 +94,6 @@ def test_the_joint_graph_never_generates_its_code():
         graphs = _streamed_graphs(offload="hidden", memory_budget=budget, recompute=True)
     joint = graphs.joint.module
     assert isinstance(joint, _LazyGraphModule) and joint._needs_recompile()
-
-
-def test_a_split_is_reused_after_the_partitioner_pruned_a_tagged_node(monkeypatch):
-    """The partitioner removes dead code from the joint graph before splitting it: a later
-    split, which no longer sees the dead node's tag, is the same split and is not made again."""
-    captured = capture("gpt").joint
-    joint = graphs_module.JointGraph(captured.module, captured.inputs,
-                                     captured.partition_kwargs)
-    source = next(iter(joint.module.graph.find_nodes(op="placeholder")))
-    with joint.module.graph.inserting_after(source):
-        dead = joint.module.graph.call_function(torch.ops.aten.neg.default, (source,))
-    dead.meta[RECOMPUTE_TAG] = CheckpointPolicy.MUST_RECOMPUTE
-    partitions = []
-    _counting(monkeypatch, graphs_module, "min_cut_rematerialization_partition", partitions)
-    first, again = joint.split(), joint.split()
-    assert dead not in joint.module.graph.nodes, "the partitioner pruned it"
-    assert len(partitions) == 1
-    assert first[1].code == again[1].code
 
 
 def test_plans_differing_only_in_resident_room_are_decided_once(monkeypatch):

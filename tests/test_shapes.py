@@ -1,5 +1,6 @@
 """Graphs people actually compile: symbolic sizes, multi-output ops, checkpointed blocks."""
 
+import importlib
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,16 +119,12 @@ def test_multi_output_ops_are_recomputed_whole(budget):
 
 
 def test_rejected_recompute_falls_back_to_offloads_with_one_warning(monkeypatch):
-    from storm_compile.fx.graphs import JointGraph
+    module = importlib.import_module("storm_compile.passes.rematerialize")
 
-    split = JointGraph.split
+    def reject(added, inputs):
+        raise module.RecomputeRejectedError("a symbolic size the backward lacks (test)")
 
-    def reject_tags(self):
-        if any("recompute" in n.meta for n in self.module.graph.nodes):
-            raise RuntimeError("AOT Autograd failed to partition the joint graph (test)")
-        return split(self)
-
-    monkeypatch.setattr(JointGraph, "split", reject_tags)
+    monkeypatch.setattr(module, "_check_symbols", reject)
     torch.manual_seed(0)
     model, (x,) = build_gpt(SHAPE)
     captured = []
@@ -135,13 +132,11 @@ def test_rejected_recompute_falls_back_to_offloads_with_one_warning(monkeypatch)
         torch.compile(model, backend=_backend(captured, memory_budget=0.25))(x).sum().backward()
     assert len([w for w in caught if "without recomputation" in str(w.message)]) == 1
     storm_grads = _grads(model)
-    monkeypatch.setattr(JointGraph, "split", split)
     torch.compile(model, backend="aot_eager")(x).sum().backward()
     for ours, theirs in zip(storm_grads, _grads(model)):
         torch.testing.assert_close(ours, theirs)
     (graphs,) = captured
     assert not graphs.plan.recompute and nodes(graphs.forward, ops.offload)
-    assert not any("recompute" in n.meta for n in graphs.joint.module.graph.nodes)
 
 
 class Checkpointed(nn.Module):

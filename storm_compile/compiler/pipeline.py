@@ -81,10 +81,10 @@ def _plan_summary(graphs: StormGraphs) -> str:
 
 
 def _changes(before: StormGraphs, after: StormGraphs, sizes: tuple[int, int]) -> str:
-    """What a pass changed, in a few words: a new split, nodes added to either graph, the
+    """What a pass changed, in a few words: a new pair of graphs, nodes added to either graph, the
     storage plan's decisions."""
     if after.forward is not before.forward:
-        return "split again"
+        return "recomputed values rebuilt in the backward"
     changes = [f"{graph} {now - then:+d} nodes"
                for graph, then, now in zip(("forward", "backward"), sizes, _size(after))
                if now != then]
@@ -163,11 +163,11 @@ def plan_storages(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         graphs = _run(storm_pass, graphs, ctx)
     if first_split and graphs.plan.recompute:
         try:
-            graphs = _run(rematerialize, graphs, ctx)    # split again with recompute tags
+            graphs = _run(rematerialize, graphs, ctx)    # rebuild the recomputed values
         except RecomputeRejectedError as error:
-            warnings.warn(f"storm: the partitioner could not recompute what storm planned "
-                          f"({error}); this graph uses storm's best plan without "
-                          f"recomputation instead", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"storm: could not rebuild what the plan recomputes ({error}); "
+                          f"this graph uses storm's best plan without recomputation "
+                          f"instead", RuntimeWarning, stacklevel=3)
             ctx = dataclasses.replace(
                 ctx, limits=dataclasses.replace(ctx.limits, recompute=False))
             graphs = dataclasses.replace(graphs, plan=None)
@@ -213,28 +213,11 @@ prefetched, so the first try can land over the budget; each next try has the roo
 excess times ``2**k``, and after the last the plan without resident weights stands."""
 
 
-def _recompute_tags(joint: JointGraph) -> dict[str, object]:
-    """The joint graph's recompute tags by node name (the partitioner may rebuild the graph's
-    nodes, keeping their names)."""
-    return {n.name: n.meta[RECOMPUTE_TAG] for n in joint.module.graph.nodes
-            if RECOMPUTE_TAG in n.meta}
-
-
-def _retag(joint: JointGraph, tags: dict[str, object]) -> None:
-    """Put the joint graph's recompute tags back to ``tags``."""
-    for node in joint.module.graph.nodes:
-        if node.name in tags:
-            node.meta[RECOMPUTE_TAG] = tags[node.name]
-        else:
-            node.meta.pop(RECOMPUTE_TAG, None)
-
-
-def _decide(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext) -> StormGraphs:
-    """:func:`plan_storages` on a fresh split of ``graphs``' joint graph, with its capture's
-    recompute ``tags``: decided graphs no pass has rewritten. Plans that differ only in
+def _decide(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
+    """:func:`plan_storages` on a fresh copy of the split of ``graphs``' joint graph: decided
+    graphs no pass has rewritten. Plans that differ only in
     ``PassContext.resident_room`` decide the same, so each is placed and rewritten from a copy
     of one (:func:`_transfers`) instead of being planned again from a fresh split."""
-    _retag(graphs.joint, tags)
     forward, backward = graphs.joint.split()
     return plan_storages(StormGraphs(forward, backward, graphs.num_fwd_outputs,
                                      joint=graphs.joint, records=graphs.records), ctx)
@@ -270,7 +253,7 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
 
     The returned graphs' ``share`` is their plan's part of the step, for the caller to record
     in the step's ledger; the passes only read the step (``ctx.others``)."""
-    tags, asked = _recompute_tags(graphs.joint), ctx.config
+    asked = ctx.config
     budget = asked.memory_budget.nbytes
     weights = device_weights(graphs.forward, asked.prefetch_window_bytes)
     first = plan_storages(graphs, ctx)
@@ -281,7 +264,7 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     if peak > budget:
         fits, least = [], _peak_at(peak, prediction)
         for spare_window in (True, False):
-            fit = _fit_peak(graphs, tags, ctx, planned, prediction, spare_window)
+            fit = _fit_peak(graphs, ctx, planned, prediction, spare_window)
             if isinstance(fit, _Fit):
                 fits.append(fit)
             else:
@@ -301,7 +284,7 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                       or sum(w.nbytes for w in kept.graphs.storages.resident) < streamed):
         fewer = dataclasses.replace(ctx, limits=dataclasses.replace(
             ctx.limits, budget_bytes=ctx.memory_budget.nbytes - freed))
-        kept = _traded(graphs, tags, fewer, budget)
+        kept = _traded(graphs, fewer, budget)
         if kept is not None:
             best = min(best, kept, key=lambda plan: plan.step_s)
     return best.graphs
@@ -340,7 +323,7 @@ def _peak_at(peak: int, prediction: Prediction) -> _PeakAt:
     return _PeakAt(peak, max(prediction.timings, key=lambda t: t.memory_after))
 
 
-def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
+def _fit_peak(graphs: StormGraphs, ctx: PassContext,
               planned: StormGraphs, prediction: Prediction, spare_window: bool
               ) -> _Fit | _PeakAt:
     """Plan ``graphs`` again from a fresh split while the predicted device peak stays over the
@@ -366,7 +349,7 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
         ctx = dataclasses.replace(ctx, limits=dataclasses.replace(
             ctx.limits, budget_bytes=lowered, prefetch_window_bytes=window))
         try:
-            decided = _decide(graphs, tags, ctx)
+            decided = _decide(graphs, ctx)
         except StormBudgetError:
             return least
         planned = _transfers(decided, ctx)
@@ -377,13 +360,13 @@ def _fit_peak(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext,
     return least
 
 
-def _traded(graphs: StormGraphs, tags: dict[str, object], ctx: PassContext, budget: int
+def _traded(graphs: StormGraphs, ctx: PassContext, budget: int
             ) -> _Candidate | None:
     """The graph planned with ``ctx``'s lower activation target, then with the room that plan
     leaves for weights kept on the device (:func:`_with_residents`); None when the step's
     ledger refuses the lower target, its peak does not fit ``budget`` or no weight is kept."""
     try:
-        decided = _decide(graphs, tags, ctx)
+        decided = _decide(graphs, ctx)
     except StormBudgetError:
         return None
     traded = _transfers(decided, ctx)
@@ -451,7 +434,7 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext, st
     log.debug("storm: pass split took %.3f s", split.seconds)
     graphs = StormGraphs(forward, backward, partition_kwargs["num_fwd_outputs"], joint=joint_graph,
                          records=(*records, split))
-    # 2-5. annotate costs, plan, (re-split to recompute), place, insert transfers; verified;
+    # 2-5. annotate costs, plan, (rebuild what is recomputed), place, insert transfers; verified;
     #      a streamed graph planned again while its predicted peak is over a byte budget.
     graphs = plan_within_budget(graphs, ctx)
     step.record(graph, graphs.share)

@@ -14,11 +14,10 @@ from storm_compile.cost.cost_model import CostModel
 from storm_compile.fx.plan import Decision, MemoryPlan, StoragePlan, Unplaced
 from storm_compile.fx.torch_private import (
     LazyGraphModule,
-    functorch_config,
     min_cut_rematerialization_partition,
     use_lazy_graph_module,
 )
-from storm_compile.fx.vocabulary import RECOMPUTE_TAG, view_closure
+from storm_compile.fx.vocabulary import view_closure
 from storm_compile.planner.step_budget import GraphShare, StepView
 
 COST_KEY = "storm_cost"
@@ -32,43 +31,27 @@ class JointGraph:
     module: fx.GraphModule
     inputs: Any
     partition_kwargs: dict[str, Any]
-    _splits: dict[frozenset, tuple[fx.GraphModule, fx.GraphModule]] = dataclasses.field(
-        default_factory=dict, init=False, repr=False, compare=False)
-    """The partitioner's split for each set of recompute tags it was asked with."""
+    _split: list[tuple[fx.GraphModule, fx.GraphModule]] = dataclasses.field(
+        default_factory=list, init=False, repr=False, compare=False)
+    """The partitioner's split, once made."""
 
     def split(self) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Partition as ``torch.compile`` does (min-cut), honouring recompute tags on nodes.
+        """Partition as ``torch.compile`` does (min-cut), honouring the recompute tags the
+        capture and the joint-graph passes left on nodes.
 
-        The partitioner's split is a function of the joint graph and its tags, and a large
-        graph's takes seconds, so it runs once per set of tags; each call returns copies the
-        passes may rewrite (their nodes' ``meta`` dicts copied, the values in them shared).
-        The copies generate their Python code on first use (:func:`_copy_module`).
+        A large graph's split takes seconds and the joint graph does not change after it, so
+        the partitioner runs once; each call returns copies the passes may rewrite (their
+        nodes' ``meta`` dicts copied, the values in them shared). The copies generate their
+        Python code on first use (:func:`_copy_module`).
 
-        The partitioner first removes dead code and common subexpressions from the joint graph
-        in place (a tagged node may go with them) and settles some tags on it (values it must
-        save), then splits what is left: its split is also the one for the graph and tags it
-        leaves behind, which every later call sees, so it is stored under those tags too.
-        Between splits only the recompute tags change, which common-subexpression elimination
-        does not read, and the graph the first split left has no common subexpression left: a
-        later split skips that pass (a copy of the whole graph) and gives what it would give.
-
-        Assumes: after its first split, the joint graph's nodes change only in their recompute
-        tags (``rematerialize`` and the pipeline's re-plans set only those)."""
-        tags = self._tags()
-        if tags not in self._splits:
-            cse = functorch_config.cse and not self._splits
-            with use_lazy_graph_module(True), functorch_config.patch(cse=cse):
-                split = min_cut_rematerialization_partition(self.module, self.inputs,
-                                                            **self.partition_kwargs)
-            self._splits[tags] = split
-            self._splits.setdefault(self._tags(), split)
-        forward, backward = self._splits[tags]
+        Assumes: nothing rewrites the joint graph or its tags after the first call
+        (``rematerialize`` rebuilds values on the split itself)."""
+        if not self._split:
+            with use_lazy_graph_module(True):
+                self._split.append(min_cut_rematerialization_partition(
+                    self.module, self.inputs, **self.partition_kwargs))
+        forward, backward = self._split[0]
         return _copy_module(forward), _copy_module(backward)
-
-    def _tags(self) -> frozenset:
-        """The recompute tags on the joint graph's nodes, by node name."""
-        return frozenset((n.name, n.meta[RECOMPUTE_TAG]) for n in self.module.graph.nodes
-                         if RECOMPUTE_TAG in n.meta)
 
 
 def lazy_module(module: fx.GraphModule) -> fx.GraphModule:
@@ -114,7 +97,8 @@ class StormGraphs:
 
     The forward returns ``num_fwd_outputs`` user-visible values (outputs, mutated inputs) followed
     by the values saved for the backward; the backward takes each saved value as an input
-    (:func:`backward_inputs` maps them). ``joint`` lets a pass split again.
+    (:func:`backward_inputs` maps them). ``joint`` lets a re-plan start from a fresh copy of its
+    split.
     """
 
     forward: fx.GraphModule
@@ -177,7 +161,7 @@ class Limits:
     are never rewritten: to fit a streamed graph's device peak under a byte budget, or to trade
     activations for weights kept on the device, the planner's search
     (:func:`storm_compile.compiler.pipeline.plan_within_budget`) plans with a lower byte budget and
-    a smaller prefetch window; where the partitioner rejects the planned recomputation, the graph is
+    a smaller prefetch window; where the planned recomputation cannot be rebuilt, the graph is
     planned without. None: the user's option."""
 
     budget_bytes: int | None = None

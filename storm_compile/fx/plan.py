@@ -284,7 +284,7 @@ class StoragePlan:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
-    """What ``plan_memory`` aimed at for the whole step, kept across a re-split."""
+    """What ``plan_memory`` aimed at for the whole step, kept across ``rematerialize``."""
 
     baseline: Prediction
     """The step as the partitioner first split it, without storm."""

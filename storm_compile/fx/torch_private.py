@@ -36,6 +36,8 @@ APIS: dict[str, tuple[str, ...]] = {
     "functorch_config": ("torch._functorch.config:",),
     "min_cut_rematerialization_partition": (
         "torch._functorch.partitioners:min_cut_rematerialization_partition",),
+    "SavedForBackwardsAOTOutput": (
+        "torch._functorch._aot_autograd.descriptors:SavedForBackwardsAOTOutput",),
     "aot_module_simplified": ("torch._functorch.aot_autograd:aot_module_simplified",),
     "FakeTensorMode": ("torch._subclasses.fake_tensor:FakeTensorMode",),
     "FakeTensor": ("torch._subclasses.fake_tensor:FakeTensor",),

@@ -1,0 +1,87 @@
+"""``rematerialize``: the planner's recomputation rebuilt on the split it was planned on.
+
+Properties on the streamed tiny Llama under a budget that recomputes (its graphs also fetch
+weights again in the backward, which a recomputation may read): each recomputed value
+is rebuilt once, from what stays saved, and no longer leaves the forward; every gradient
+equals eager's; a plan that recomputes nothing leaves the graphs as they are. The printed
+graphs of a tiny function are ``tests/goldens/recompute_*.txt`` (``test_golden.py``)."""
+
+import collections
+import importlib
+
+import torch
+
+from helpers import CPU_TEST_OPTIONS, cost_model
+from storm_compile.cli.models import LLAMA_PRESETS, build_llama
+from storm_compile.compiler.backend import StormBackend
+from storm_compile.config import StormConfig
+from storm_compile.cost.simulate import device_bytes, simulate
+from storm_compile.fx.graphs import PassContext, saved_values
+from storm_compile.runtime import ops
+from storm_compile.weights import streaming
+
+REMATERIALIZE = importlib.import_module("storm_compile.passes.rematerialize")
+"""The pass's module (the package exports the pass function under the same name)."""
+
+RESIDENT_BYTES = 4096
+"""Above the tiny Llama's norm weights and below its smallest matrix: the matrices stream."""
+ROOM_BYTES = 1 << 14
+"""Budget room above the plan that keeps every activation: the search recomputes to fit."""
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_llama(LLAMA_PRESETS["tiny"])
+
+
+def _streamed(**options):
+    """The streamed tiny Llama's graphs under ``options``, and its parameters' gradients."""
+    model, batch = _model()
+    streaming.stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    captured = []
+    config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, "offload": "hidden", **options})
+    torch.compile(model, backend=StormBackend(config, observer=captured.append))(*batch) \
+        .backward()
+    return captured[0], [p.grad for p in model.parameters()]
+
+
+def _budget() -> str:
+    graphs, _ = _streamed(memory_budget=1.0)
+    return f"{device_bytes(graphs, simulate(graphs, cost_model())) + ROOM_BYTES}B"
+
+
+def _repeated(graph: torch.fx.Graph) -> list[str]:
+    """Nodes that compute what an earlier node of ``graph`` computed (same op, same inputs)."""
+    seen, repeated = set(), []
+    for node in (n for n in graph.nodes if n.op == "call_function"):
+        key = (node.target, repr(node.args), repr(node.kwargs))
+        if key in seen:
+            repeated.append(node.name)
+        seen.add(key)
+    return repeated
+
+
+def test_each_recomputed_value_is_rebuilt_once_and_gradients_match_eager():
+    """The partitioner already rebuilds some forward nodes in the backward (each streamed
+    weight's fetch, the rotary tables); a recomputation reading them runs them once."""
+    graphs, grads = _streamed(memory_budget=0.3, recompute=True)
+    assert graphs.plan.recompute, "the budget was met without recomputing anything"
+    recomputed = set(graphs.plan.recompute)
+    assert not recomputed & {n.name for n in saved_values(graphs)}
+    assert [n for n in graphs.backward.graph.nodes if n.name in recomputed]
+    fetched = collections.Counter(n.args[0] for n in graphs.backward.graph.find_nodes(
+        op="call_function", target=ops.prefetch))
+    assert fetched and max(fetched.values()) == 1, "a weight is fetched twice in the backward"
+    assert not _repeated(graphs.backward.graph)
+    model, batch = _model()
+    model(*batch).backward()
+    for grad, expected in zip(grads, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(grad, expected)
+
+
+def test_a_plan_without_recomputation_leaves_the_graphs_as_they_are():
+    graphs, _ = _streamed()
+    assert not graphs.plan.recompute
+    config = StormConfig.from_options(**CPU_TEST_OPTIONS)
+    assert REMATERIALIZE.rematerialize(graphs, PassContext(config, cost_model())) is graphs
+

@@ -127,13 +127,11 @@ def _backward(graphs: StormGraphs, rebuilt: list[fx.Node], inputs: dict[fx.Node,
     """A copy of the backward taking ``now_saved`` (symbolic sizes first, AOTAutograd's order)
     and running a copy of each node of ``rebuilt`` that a backward read reaches right before
     the first node that needs it, reading the forward's ``constants`` where it did. A node the
-    backward already rebuilds (the partitioner's recomputation of the same joint-graph node,
-    of the same name: a streamed weight's fetch) is run once, at the earlier of the two
-    places."""
+    backward already rebuilds (:func:`_twins`: a streamed weight's fetch) is run once, at the
+    earlier of the two places."""
     old = graphs.backward.graph
     order = node_order(graphs.backward)
-    named = {n.name: n for n in old.nodes if n.op != "placeholder"}
-    twins = {n: named[n.name] for n in rebuilt if n.name in named}
+    twins = _twins(rebuilt, old, inputs)
     need: dict[fx.Node, int] = {}
     for node in reversed(rebuilt):
         reads = [need[u] for u in node.users if u in need]
@@ -183,6 +181,26 @@ def _module(like: fx.GraphModule, root: fx.GraphModule | dict[str, object], grap
     module = LazyGraphModule(root, graph, like.__class__.__name__)
     module.meta.update(like.meta)
     return module
+
+
+def _twins(rebuilt: list[fx.Node], backward: fx.Graph, inputs: dict[fx.Node, fx.Node]
+           ) -> dict[fx.Node, fx.Node]:
+    """Each node of ``rebuilt`` (forward order) that ``backward`` already computes: a backward
+    node of the same name (the partitioner keeps a joint-graph node's name where it runs it
+    again) running the same op on the same values (saved values' inputs, or nodes that are
+    twins themselves). A name alone is not enough: nodes the partitioner adds to each graph
+    (random-number states) are named in each graph apart."""
+    named = {n.name: n for n in backward.nodes if n.op != "placeholder"}
+    twins: dict[fx.Node, fx.Node] = {}
+    for node in rebuilt:
+        twin = named.get(node.name)
+        if twin is None or twin.target != node.target:
+            continue
+        mapped = fx.node.map_arg((node.args, node.kwargs),
+                                 lambda a: inputs.get(a, twins.get(a)))
+        if mapped == (twin.args, twin.kwargs):
+            twins[node] = twin
+    return twins
 
 
 def _is_symbolic(node: fx.Node) -> bool:

@@ -11,14 +11,16 @@ import importlib
 
 import torch
 
-from helpers import CPU_TEST_OPTIONS, cost_model
+from helpers import CPU_TEST_OPTIONS, cost_model, nodes
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
+from storm_compile.compiler import pipeline
 from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
 from storm_compile.cost.simulate import device_bytes, simulate
-from storm_compile.fx.graphs import PassContext, saved_values
+from storm_compile.fx.graphs import PassContext, StormGraphs, saved_values
 from storm_compile.runtime import ops
 from storm_compile.weights import streaming
+from test_golden import RECOMPUTE_OPTIONS, capture_tiny
 
 REMATERIALIZE = importlib.import_module("storm_compile.passes.rematerialize")
 """The pass's module (the package exports the pass function under the same name)."""
@@ -85,3 +87,21 @@ def test_a_plan_without_recomputation_leaves_the_graphs_as_they_are():
     config = StormConfig.from_options(**CPU_TEST_OPTIONS)
     assert REMATERIALIZE.rematerialize(graphs, PassContext(config, cost_model())) is graphs
 
+
+
+def test_a_backward_node_named_like_a_rebuilt_one_but_computing_else_stays():
+    """The partitioner names nodes it adds to each graph apart (random-number states), so a
+    backward node may share a rebuilt forward node's name and op with other inputs: both run."""
+    graphs, _ = capture_tiny(RECOMPUTE_OPTIONS)
+    ctx = StormBackend(StormConfig.from_options(**RECOMPUTE_OPTIONS)).ctx
+    forward, backward = graphs.joint.split()
+    first = StormGraphs(forward, backward, graphs.num_fwd_outputs, joint=graphs.joint)
+    for storm_pass in pipeline.PLAN:
+        first = storm_pass(first, ctx)
+    assert "mm" in first.plan.recompute
+    impostor = next(n for n in first.backward.graph.nodes if n.target is torch.ops.aten.mm.default)
+    impostor._rename("mm")
+    assert impostor.name == "mm"
+    products = len(nodes(first.backward, torch.ops.aten.mm.default))
+    rebuilt = REMATERIALIZE.rematerialize(first, ctx)
+    assert len(nodes(rebuilt.backward, torch.ops.aten.mm.default)) == products + 1

@@ -4,8 +4,8 @@
 gpt (its default shape, the benchmark's d2048/T2048/B4, bf16, with ``--layers`` blocks) as
 ``storm schedule`` does and prints the seconds each pass took, summed over its runs from the
 pass records on the graphs: the partitioner's split (``split``) is torch's min-cut;
-``rematerialize`` rebuilds recomputed values on it; the planner is ``plan_offload`` + ``plan_memory`` +
-``plan_weights``; placement is ``place_transfers``.
+``rematerialize`` rebuilds recomputed values on it; the planner is ``plan_offload`` +
+``plan_memory`` + ``plan_weights``; placement is ``place_transfers``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from storm_compile.fx.graphs import (
     PassContext,
     StormGraphs,
     backward_inputs,
+    is_symbolic,
     output_node,
     saved_values,
 )
@@ -112,8 +113,8 @@ def _forward(graphs: StormGraphs, saved: list[fx.Node], now_saved: list[fx.Node]
     if "desc" in out.meta:
         descs = dict(zip(saved, out.meta["desc"][graphs.num_fwd_outputs:]))
         result.meta["desc"] = [*out.meta["desc"][:graphs.num_fwd_outputs], *(
-            dataclasses.replace(descs[s], idx=i) if s in descs else torch_private.SavedForBackwardsAOTOutput(i)
-            for i, s in enumerate(now_saved))]
+            dataclasses.replace(descs[s], idx=i) if s in descs
+            else torch_private.SavedForBackwardsAOTOutput(i) for i, s in enumerate(now_saved))]
     if "output_stack_traces" in out.meta:
         result.meta["output_stack_traces"] = [
             v.meta.get("stack_trace") if isinstance(v, fx.Node) else None
@@ -147,7 +148,7 @@ def _backward(graphs: StormGraphs, rebuilt: list[fx.Node], inputs: dict[fx.Node,
             before.setdefault(need[node], []).append(node)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    symbolic = [s for s in now_saved if _is_symbolic(s)]
+    symbolic = [s for s in now_saved if is_symbolic(s)]
     for value in (*symbolic, *(s for s in now_saved if s not in symbolic)):
         if value in inputs:
             env[inputs[value]] = graph.node_copy(inputs[value])
@@ -201,10 +202,6 @@ def _twins(rebuilt: list[fx.Node], backward: fx.Graph, inputs: dict[fx.Node, fx.
         if mapped == (twin.args, twin.kwargs):
             twins[node] = twin
     return twins
-
-
-def _is_symbolic(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _read(arg: fx.Node, env: dict[fx.Node, fx.Node], inputs: dict[fx.Node, fx.Node]

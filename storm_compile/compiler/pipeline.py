@@ -81,8 +81,8 @@ def _plan_summary(graphs: StormGraphs) -> str:
 
 
 def _changes(before: StormGraphs, after: StormGraphs, sizes: tuple[int, int]) -> str:
-    """What a pass changed, in a few words: a new pair of graphs, nodes added to either graph, the
-    storage plan's decisions."""
+    """What a pass changed, in a few words: a new pair of graphs, nodes added to either graph,
+    the storage plan's decisions."""
     if after.forward is not before.forward:
         return "recomputed values rebuilt in the backward"
     changes = [f"{graph} {now - then:+d} nodes"

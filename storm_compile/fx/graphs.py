@@ -230,7 +230,8 @@ def model_outputs(graphs: StormGraphs) -> list[fx.Node]:
     return [n for n in outputs[:graphs.num_fwd_outputs] if isinstance(n, fx.Node)]
 
 
-def _is_symbolic(node: fx.Node) -> bool:
+def is_symbolic(node: fx.Node) -> bool:
+    """Whether ``node``'s value is a symbolic size (``SymInt``, ``SymFloat``, ``SymBool``)."""
     return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
@@ -242,11 +243,11 @@ def backward_inputs(graphs: StormGraphs) -> dict[fx.Node, fx.Node]:
     symbolic sizes first, then the saved tensors, then the tangents. Positions, not names, tie
     them (functionalised RNG states, for one, are renamed in the backward)."""
     saved_all = saved_values(graphs)
-    ordered = [n for n in saved_all if _is_symbolic(n)] + \
-        [n for n in saved_all if not _is_symbolic(n)]
+    ordered = [n for n in saved_all if is_symbolic(n)] + \
+        [n for n in saved_all if not is_symbolic(n)]
     inputs = list(graphs.backward.graph.find_nodes(op="placeholder"))
     if len(inputs) < len(ordered) or any(
-            _is_symbolic(i) != _is_symbolic(s) for s, i in zip(ordered, inputs)):
+            is_symbolic(i) != is_symbolic(s) for s, i in zip(ordered, inputs)):
         raise RuntimeError("storm: the backward's inputs do not match the forward's saved "
                            "values; the partitioner's input order changed")
     return dict(zip(ordered, inputs))

@@ -17,10 +17,11 @@ import storm_compile
 from benchmarks.activation_memory import CONFIGS, QUICK_CONFIG
 from storm_compile.cli import commands
 from storm_compile.cli import EXIT_BROKEN_PIPE, EXIT_USAGE, main
-from storm_compile.cli.models import LLAMA_PRESETS, GPTShape, ModelSpecError
+from storm_compile.cli.models import LLAMA_PRESETS, GPTShape, ModelSpecError, build_llama
 from storm_compile.compiler.backend import StormBackend
-from storm_compile.config import GIB, StormConfig, StormOptionError
+from storm_compile.config import CPU_PLANNING, GIB, StormConfig, StormOptionError
 from storm_compile.runtime import ops
+from storm_compile.weights.streaming import stream_parameters
 
 TINY_GPT = ["--d-model", "64", "--layers", "2", "--heads", "4", "--seq", "64", "--batch", "2",
             "--min-offload-bytes", "0", "--profile", "cpu-test", "--offload", "all"]
@@ -828,3 +829,41 @@ def test_the_parser_offers_the_host_formats_quantize_packs():
     from storm_compile.cli.arguments import HOST_FORMATS
     from storm_compile.weights.quantize import FORMATS
     assert HOST_FORMATS == FORMATS
+
+
+class _Planned(Exception):
+    """Stops a compile once storm has planned its graphs (Inductor need not compile them)."""
+
+
+def _ops(graphs) -> collections.Counter:
+    return collections.Counter(str(n.target) for gm in (graphs.forward, graphs.backward)
+                               for n in gm.graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_schedule_plans_the_graphs_the_backend_plans(stream):
+    """The CLI traces as Inductor hands storm the joint graph (its decompositions and
+    joint-graph passes), so ``storm schedule`` plans the ops the backend plans, under a byte
+    budget with streamed weights and under a fraction without."""
+    budget = "2GiB" if stream else 0.5
+    options = {"memory_budget": budget, "profile": "h100", "min_offload_bytes": 0}
+    shape = {"preset": "1b", "layers": 1, "seq": 64}
+    cli = commands.plan_model("llama", commands.planning_context(**options), stream=stream,
+                              **shape)
+    captured = []
+
+    def planned(graphs):
+        captured.append(graphs)
+        raise _Planned
+
+    torch.manual_seed(0)
+    llama = dataclasses.replace(LLAMA_PRESETS["1b"], layers=1, seq=64)
+    model, inputs = build_llama(llama)
+    if stream:
+        stream_parameters(model, "cpu")
+    backend = StormBackend(StormConfig.from_options(**{**CPU_PLANNING, **options}),
+                           observer=planned)
+    with pytest.raises(Exception) as raised:
+        torch.compile(model, backend=backend)(*inputs)
+    assert captured, f"the backend did not plan: {raised.value}"
+    assert _ops(cli) == _ops(captured[0])

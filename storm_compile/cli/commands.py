@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from tabulate import tabulate
-from torch import nn
+from torch import fx, nn
 
 from storm_compile.cli.arguments import (
     DEFAULT_LLAMA_PRESET,
@@ -38,7 +38,7 @@ from storm_compile.cli.report import (
     throughput_row,
 )
 from storm_compile.cli.shapes import LLAMA_PRESETS, GPTShape, LlamaShape, ModelSpecError
-from storm_compile.compiler.backend import StormPartitioner
+from storm_compile.compiler.backend import StormPartitioner, inductor_joint_graph
 from storm_compile.config import CPU_PLANNING, MemoryBudget, StormConfig, StormOptionError
 from storm_compile.cost.calibrate import cache_path, calibrate, profile_for
 from storm_compile.cost.cost_model import CostModel
@@ -227,9 +227,11 @@ def planning_context(stages: bool = False, **options: object) -> PassContext:
 def plan_model(model: str, ctx: PassContext, stream: bool = False, lora: int | None = None,
                host_format: str | None = None, **shape: object) -> StormGraphs:
     """Trace ``model`` (``"gpt"`` or ``"llama"``, with the shape fields ``shape`` gives, or
-    ``path/to/file.py:factory``) forward and backward with fake tensors, and run storm's passes
-    on its one graph pair with ``ctx``; with ``stream``, its parameters are streamed from host
-    memory first (:func:`~storm_compile.weights.streaming.stream_parameters`), the frozen ones held
+    ``path/to/file.py:factory``) forward and backward with fake tensors, as Inductor sees the
+    joint graph (its decompositions and joint-graph passes, :func:`inductor_joint_graph`; the
+    parameters and buffers static inputs, as Dynamo marks them), and run storm's passes on its
+    one graph pair with ``ctx``; with ``stream``, its parameters are streamed from host memory
+    first (:func:`~storm_compile.weights.streaming.stream_parameters`), the frozen ones held
     in ``host_format``; with ``lora``, the model is frozen and given adapters of that rank on every
     linear layer first (:func:`~storm_compile.cli.models.add_lora`). Each pass run is in the
     result's ``records``. The graphs are lazy graph modules: their Python code, which nothing here
@@ -244,11 +246,21 @@ def plan_model(model: str, ctx: PassContext, stream: bool = False, lora: int | N
     if stream:
         with fake_mode:
             stream_parameters(module, "cpu", host_check=False, host_format=host_format)
+    decompositions, joint_passes = inductor_joint_graph(
+        stream or ctx.config.memory_budget.given)
+    partitioner = StormPartitioner(ctx, StepBudget(), observer=captured.append)
+
+    static = list(range(sum(1 for _ in module.parameters()) + sum(1 for _ in module.buffers())))
+
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        joint_passes(joint)
+        return partitioner(joint, joint_inputs,
+                           **{**kwargs, "static_lifetime_input_indices": static})
+
     with fake_mode, use_lazy_graph_module(True):    # the graphs are planned, never run
         aot_module_simplified(_TupleOutput(module, model), inputs, fw_compiler=boxed_nop,
-                              bw_compiler=boxed_nop,
-                              partition_fn=StormPartitioner(ctx, StepBudget(),
-                                                             observer=captured.append))
+                              bw_compiler=boxed_nop, partition_fn=partition,
+                              decompositions=decompositions)
     if not captured:
         raise ModelSpecError("no input or parameter of the model requires grad, so there is "
                              "no backward to schedule")

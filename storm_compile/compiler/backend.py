@@ -36,6 +36,7 @@ from storm_compile.fx.torch_private import (
     get_hash_for_files,
     inductor_config,
     inductor_lowering,
+    joint_graph_passes,
     list_mode_options,
     select_decomp_table,
     tree_leaves,
@@ -318,6 +319,17 @@ def _decompositions() -> _Decompositions:
                                         override_decomp=True)
     return _Decompositions((op, fn) for op, fn in select_decomp_table().items()
                            if op not in KEPT_WHOLE)
+
+
+def inductor_joint_graph(bounds_memory: bool) -> tuple[dict, Callable[[fx.GraphModule], None]]:
+    """What Inductor makes of a joint graph before storm's partitioner sees it, for planning
+    that does not compile (``storm schedule``): the decomposition table the backend hands
+    Inductor (:func:`_decompositions` where storm ``bounds_memory``, else Inductor's own) and
+    Inductor's joint-graph passes, which rewrite the joint graph in place. Planned without them,
+    the CLI would plan another graph than the backend: an unfused loss gradient (a float32
+    zero table of the vocabulary and its scatter) moves the streamed 3B Llama's predicted
+    peak by over 2 GiB."""
+    return (_decompositions() if bounds_memory else select_decomp_table()), joint_graph_passes
 
 
 def _compile_graph(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):

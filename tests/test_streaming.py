@@ -448,6 +448,31 @@ def test_a_byte_budget_bounds_a_streamed_graphs_device_peak(fraction):
         "the backward's peak above the saved activations is paid for too"
 
 
+def test_a_byte_budget_leaves_room_for_the_working_set_at_the_peak(monkeypatch):
+    """The first plan's activation target is the budget less the device's weights less what
+    the unplanned step holds at its peak beyond its saved activations; a fraction bounds the
+    activations alone."""
+    plans = []
+    plan_storages = pipeline.plan_storages
+    peak, weights = _unbudgeted_device_peak()
+    budget = int(peak * 0.9)
+    monkeypatch.setattr(pipeline, "plan_storages", lambda graphs, ctx: _kept(
+        plans, plan_storages(graphs, ctx)))
+    _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+    first = plans[0]
+    working = first.baseline.peak_bytes - first.baseline.activation_bytes
+    assert working > 0
+    assert first.target_bytes == max(first.minimum_bytes, budget - weights - working)
+    plans.clear()
+    _streamed_graphs(offload="hidden", memory_budget=0.5)
+    assert plans[0].target_bytes == int(0.5 * plans[0].baseline.activation_bytes)
+
+
+def _kept(plans: list, graphs):
+    plans.append(graphs.plan)
+    return graphs
+
+
 def test_a_byte_budget_plans_both_ways_to_fit_and_keeps_the_faster(monkeypatch):
     """Over the budget, the excess is taken from the activations alone while they can take it,
     and from them and the weights' prefetch window alike: the faster fitting plan is kept."""

@@ -249,7 +249,6 @@ def plan_model(model: str, ctx: PassContext, stream: bool = False, lora: int | N
     decompositions, joint_passes = inductor_joint_graph(
         stream or ctx.config.memory_budget.given)
     partitioner = StormPartitioner(ctx, StepBudget(), observer=captured.append)
-
     static = list(range(sum(1 for _ in module.parameters()) + sum(1 for _ in module.buffers())))
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):

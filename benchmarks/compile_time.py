@@ -79,8 +79,9 @@ STDERR_MARKERS = ("Traceback", "Failed to pickle")
 WARNING_RE = re.compile(r"^(\[rank\d+\]:)?W\d{4} |Warning: |WARNING")
 """A warning line: torch's log format (``W0930 12:00:00.0 ...``), ``warnings.warn`` or logging."""
 PROFILE_LINES = 60
-"""Functions of a profiled first step written out (``--profile``): its callers down to the
-passes, Dynamo's tracing and Inductor's phases."""
+"""Functions of a profiled first step written out (``--profile``), twice: by cumulative time (its
+callers down to the passes, Dynamo's tracing and Inductor's phases) and by own time (where the
+seconds are spent), with the raw statistics beside them (``.pstats``, for ``pstats``)."""
 CACHE_COUNTERS = {
     "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
     "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
@@ -161,7 +162,7 @@ def _build(model_name: str, device: str, streamed_on: bool):
 
 def child(backend_name: str, model_name: str, device: str, profile: Path | None = None) -> dict:
     """Time the first compiled fw+bw step and the steady steps after it, in this process; with
-    ``profile``, write there where the first step's host time went (cProfile, cumulative)."""
+    ``profile``, write there where the first step's host time went (cProfile)."""
     dev = _Device(device)
     torch.manual_seed(0)
     model, inputs, loss_of, options = _build(model_name, device, backend_name == "storm")
@@ -181,9 +182,11 @@ def child(backend_name: str, model_name: str, device: str, profile: Path | None 
     with _bypass_reasons() as reasons, profiler:
         first_s = step()
     if profile:
+        profiler.dump_stats(profile.with_suffix(".pstats"))
         with profile.open("w") as stream:
-            pstats.Stats(profiler, stream=stream).sort_stats("cumulative").print_stats(
-                PROFILE_LINES)
+            stats = pstats.Stats(profiler, stream=stream)
+            for order in ("cumulative", "tottime"):
+                stats.sort_stats(order).print_stats(PROFILE_LINES)
     steady_s = statistics.median(step() for _ in range(STEADY_STEPS))
     result = {"first_step_s": first_s, "steady_step_s": steady_s,
               "compile_s": first_s - steady_s, "backend_setup_s": setup_s,

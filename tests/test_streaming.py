@@ -987,6 +987,15 @@ def test_a_parametrization_stacked_on_a_streamed_weight_still_applies(backend):
     torch.testing.assert_close(run(*inputs), reference(*inputs))
 
 
+def test_a_streamed_weight_whose_list_is_edited_reads_through_the_list():
+    model, _ = build_llama(SHAPE, "cpu")
+    reference = copy.deepcopy(model)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    chain = model.lm_head.parametrizations.weight
+    chain[0] = torch.nn.Sequential(chain[0], _Twice())
+    assert torch.equal(model.lm_head.weight, 2 * reference.lm_head.weight)
+
+
 @pytest.fixture
 def pinning(monkeypatch):
     """``runtime.pin_quickly`` on a pretend CUDA host, recording the allocator settings set."""

@@ -228,8 +228,8 @@ def _read_streamed(module: nn.Module, name: str) -> None:
     Torch's getter calls the parametrization list and then ``_Fetch``; Dynamo inlines both at
     every read of every streamed weight, at every process start (a warm start included). This
     getter reads the list from the module's ``__dict__`` and calls storm's op on the list's
-    ``original`` itself: about a third of the bytecode Dynamo steps through per read with
-    torch's getter. A change to the list puts torch's getter back (:class:`_StreamedList`);
+    ``original`` itself: on a 28-layer Llama with all 252 weights streamed, Dynamo steps through
+    8160 bytecodes more than unstreamed, against 39780 with torch's getter. A change to the list puts torch's getter back (:class:`_StreamedList`);
     torch's setter is kept."""
     torch_property = getattr(type(module), name)
     chain = module.parametrizations[name]

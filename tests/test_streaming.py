@@ -1034,3 +1034,51 @@ def test_storm_leaves_pinning_alone_where_switching_is_not_safe_or_not_its_call(
     monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", stats)
     assert not runtime.pin_quickly()
     assert settings == []
+
+
+@pytest.fixture
+def pretend_pinning(monkeypatch):
+    """Pinned buffers as plain host tensors, each one pinned recorded by its size."""
+    from storm_compile.runtime import streams as runtime
+
+    pinned = []
+
+    def pinned_buffer(size):
+        pinned.append(size)
+        return torch.empty(size, dtype=torch.uint8)
+
+    monkeypatch.setattr(runtime, "pinned_buffer", pinned_buffer)
+    return runtime, pinned
+
+
+def test_buffers_pinned_ahead_serve_the_first_acquire_without_pinning_again(pretend_pinning):
+    runtime, pinned = pretend_pinning
+    pool = runtime.PinnedPool()
+    pool.prepin([3000, 70000])
+    buffer = pool.acquire(70000, limit=1 << 30)
+    assert pinned == [runtime.bucket_bytes(3000), runtime.bucket_bytes(70000)]
+    assert buffer.numel() == runtime.bucket_bytes(70000)
+    assert pool.reserved_bytes == sum(pinned)
+
+
+def test_buffers_pinned_ahead_past_the_limit_are_dropped(pretend_pinning):
+    runtime, pinned = pretend_pinning
+    pool = runtime.PinnedPool()
+    pool.prepin([4096, 4096])
+    held = pool.acquire(4096, limit=4096)[:1]    # a view in use, as a copy holds it
+    assert pool.reserved_bytes == 4096 and len(pinned) == 2
+    assert pool.acquire(4096, limit=4096) is None
+    del held
+
+
+def test_stream_parameters_pins_a_gradient_buffer_ahead_per_trainable_weight(
+        pinning, pretend_pinning, monkeypatch):
+    runtime, pinned = pretend_pinning
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(runtime, "_RUNTIME", runtime.TransferRuntime())
+    model, _ = build_llama(SHAPE, "cpu")
+    model.lm_head.weight.requires_grad_(False)
+    trainable = [p.numel() * p.element_size() for p in model.parameters() if p.requires_grad]
+    stream_parameters(model, "cuda", resident_bytes=1)
+    get_runtime().pool.clear()
+    assert sorted(pinned) == sorted(runtime.bucket_bytes(n) for n in trainable)

@@ -987,6 +987,14 @@ def test_a_parametrization_stacked_on_a_streamed_weight_still_applies(backend):
     torch.testing.assert_close(run(*inputs), reference(*inputs))
 
 
+def test_a_streamed_weight_moved_by_to_is_read_on_its_new_device():
+    model, _ = build_llama(SHAPE, "cpu")
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    model.to("meta")
+    assert model.lm_head.parametrizations.weight.original.device.type == "cpu"
+    assert model.lm_head.weight.device.type == "meta"
+
+
 def test_a_streamed_weight_whose_list_is_edited_reads_through_the_list():
     model, _ = build_llama(SHAPE, "cpu")
     reference = copy.deepcopy(model)

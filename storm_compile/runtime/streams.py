@@ -98,12 +98,6 @@ def pin_quickly() -> bool:
     return True
 
 
-def pinned_buffer(size: int) -> torch.Tensor:
-    """``size`` bytes of pinned host memory (uint8), pinned as :func:`pin_quickly` chose."""
-    pin_quickly()
-    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-
-
 def bucket_bytes(nbytes: int) -> int:
     """``nbytes`` rounded up to its pool bucket."""
     step = 1 << max(0, (nbytes - 1).bit_length() - BUCKETS_PER_DOUBLING.bit_length())
@@ -122,53 +116,15 @@ class PinnedPool:
 
     The pool never holds more than the limit it is asked with: when a new buffer would pass it,
     idle buffers of other sizes (left by sizes no longer seen) are released first.
-
-    Buffers whose sizes are known early (:meth:`prepin`) are pinned on a background thread,
-    beside the work before the first step (Dynamo's tracing, a compile); the first
-    :meth:`acquire` waits for that thread and takes them in, as far as its limit allows.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.reserved_bytes = 0
-        self._pinning: threading.Thread | None = None
-        self._prepinned: list[torch.Tensor] = []
-
-    def prepin(self, sizes: list[int]) -> None:
-        """Pin a buffer for each of ``sizes`` (bytes) on a background thread, in order, until
-        one fails; a later call waits for the earlier one first."""
-        self._adopt_prepinned(limit=None)
-        buckets = [bucket_bytes(nbytes) for nbytes in sizes]
-
-        def pin() -> None:
-            for size in buckets:
-                try:
-                    self._prepinned.append(pinned_buffer(size))
-                except RuntimeError as error:
-                    log.debug("pinning %d bytes ahead failed: %s", size, error)
-                    return
-
-        self._pinning = threading.Thread(target=pin, name="storm-pinning", daemon=True)
-        self._pinning.start()
-
-    def _adopt_prepinned(self, limit: int | None) -> None:
-        """Wait for :meth:`prepin`'s thread; keep its buffers while ``limit`` allows (None:
-        all), drop the rest."""
-        if self._pinning is None:
-            return
-        self._pinning.join()
-        self._pinning = None
-        for buffer in self._prepinned:
-            size = buffer.numel()
-            if limit is None or self.reserved_bytes + size <= limit:
-                self._buffers.setdefault(size, []).append((buffer, _storage_use_count(buffer)))
-                self.reserved_bytes += size
-        self._prepinned = []
 
     def acquire(self, nbytes: int, limit: int) -> torch.Tensor | None:
         """A pinned uint8 buffer of at least ``nbytes`` not used by anyone, or None when one
         cannot be had within ``limit``."""
-        self._adopt_prepinned(limit)
         size = bucket_bytes(nbytes)
         for buffer, idle_count in self._buffers.get(size, ()):
             if _storage_use_count(buffer) == idle_count:
@@ -177,8 +133,9 @@ class PinnedPool:
             self._release_idle(self.reserved_bytes + size - limit)
         if self.reserved_bytes + size > limit:
             return None
+        pin_quickly()
         try:
-            buffer = pinned_buffer(size)
+            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as error:
             log.debug("pinning %d bytes failed: %s", size, error)
             return None
@@ -206,7 +163,6 @@ class PinnedPool:
 
     def clear(self) -> None:
         """Forget every buffer; ones still referenced stay alive until their users drop them."""
-        self._adopt_prepinned(limit=None)
         self._buffers.clear()
         self.reserved_bytes = 0
 

@@ -497,11 +497,7 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
             host = value.to("cpu")
         ids[id(_set_data(model, param, host.pin_memory() if pin else host, True))] = key
         del value
-    runtime = get_runtime()
-    if pin and device.type == "cuda":
-        runtime.pool.prepin([param.numel() * param.element_size()
-                             for _, param in unique.values() if param.requires_grad])
-    runtime.watch_optimizers()
+    get_runtime().watch_optimizers()
     for name, param in resident:
         _set_data(model, param, source.value(name, param).to(device), False)
     for module, names in owners.items():

@@ -6,8 +6,9 @@ its first fw+bw step (wall clock: Dynamo, AOTAutograd, storm's passes, Inductor)
 cache directories (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` in a new temporary
 directory) = cold, then a second fresh child with the same directories = warm. Each child
 prints one JSON line: the first-step seconds, the median of the steps after it, and Inductor's
-FX graph cache and AOTAutograd cache counters, and the reasons the caches logged for a bypass.
-The parent counts the child's stderr lines that show a traceback or a failed pickle (a cache
+FX graph cache and AOTAutograd cache counters, the reasons the caches logged for a bypass, the
+seconds of each compile phase torch timed (per call) and the number of kernels Inductor
+generated; ``results.json`` keeps them. The parent counts the child's stderr lines that show a traceback or a failed pickle (a cache
 entry that could not be written) and its warning lines, and keeps each stderr in the output
 directory.
 
@@ -53,6 +54,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 from torch._dynamo.utils import compilation_time_metrics, counters
+from torch._inductor import metrics as inductor_metrics
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _ratio
 from storm_compile import storm
@@ -74,6 +76,9 @@ STEADY_STEPS = 3
 """Steps after the first, whose median separates compile time from the step's own time."""
 CHILD_TIMEOUT_S = 1800
 """A cold 32-layer compile takes minutes; a child that hangs must not stall the whole run."""
+METRIC_MIN_S = 0.05
+"""A compile phase torch timed (``compilation_time_metrics``) that took less in all its calls is
+left out of the child's ``compile_metrics_s``: the detail behind :data:`PHASES`."""
 STDERR_MARKERS = ("Traceback", "Failed to pickle")
 """Lines of a child's stderr that show an error was logged (a cache write that failed)."""
 WARNING_RE = re.compile(r"^(\[rank\d+\]:)?W\d{4} |Warning: |WARNING")
@@ -193,6 +198,10 @@ def child(backend_name: str, model_name: str, device: str, profile: Path | None 
               "bypass_reasons": sorted(reasons), "phases_s": phase_seconds(first_s)}
     for group, names in CACHE_COUNTERS.items():
         result.update({name: counters[group][name] for name in names})
+    result["compile_metrics_s"] = {
+        name: [round(s, 3) for s in seconds]
+        for name, seconds in compilation_time_metrics.items() if sum(seconds) >= METRIC_MIN_S}
+    result["generated_kernels"] = inductor_metrics.generated_kernel_count
     return result
 
 

@@ -93,3 +93,34 @@ def test_memory_budget_is_met_on_device(budget):
     held, grads = _step(StormBackend(config, observer=captured.append))
     assert held <= captured[0].plan.target_bytes, (held, captured[0].plan)
     assert _rel_error(grads, ref_grads) < BF16_RTOL
+
+
+def test_a_siamese_step_holds_a_byte_budget_on_device():
+    """Two forwards before one backward under a byte budget: from the second step each run is
+    compiled for half of it, and the two runs' activations stay within it on the device."""
+    torch.manual_seed(0)
+    model, (x,) = build_gpt(SHAPE, "cuda")
+    captured = []
+    probe = StormBackend(StormConfig.from_options(memory_budget=0.5, min_offload_bytes=0),
+                         observer=captured.append)
+    torch.compile(model, backend=probe)(x).float().pow(2).mean().backward()
+    budget = captured[0].plan.baseline.activation_bytes
+    torch._dynamo.reset()
+    model.zero_grad()
+    run = torch.compile(model, backend=storm(memory_budget=f"{budget}B", min_offload_bytes=0))
+    y = x.flip(0)
+    for _ in range(3):
+        model.zero_grad()
+        base = torch.cuda.memory_allocated()
+        a, b = run(x), run(y)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base - a.nbytes - b.nbytes
+        (a.float() - b.float()).pow(2).mean().backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    torch._dynamo.reset()
+    model.zero_grad()
+    reference = torch.compile(model, backend="inductor")
+    (reference(x).float() - reference(y).float()).pow(2).mean().backward()
+    assert held <= budget, (held, budget)
+    assert _rel_error(grads, {n: p.grad.float() for n, p in model.named_parameters()}) \
+        < BF16_RTOL

@@ -83,13 +83,84 @@ def test_auto_allowance_is_shared_across_the_step():
         pytest.approx(0.02 * 2.0 - 0.005)
 
 
-def test_runs_of_one_graph_before_the_backward_count_against_a_byte_budget():
+def _runs(step: StepBudget, graph: GraphId, count: int, budget: int = 100,
+          replannable: bool = True) -> tuple[list, list]:
+    """``count`` runs of ``graph`` before a backward: the room each was given (None: the
+    graph's own plan) and what releases each."""
+    rooms, releases = [], []
+    for _ in range(count):
+        room = step.run_room(graph, budget, replannable)
+        rooms.append(room)
+        planned = step.share(graph).planned_bytes if room is None else room
+        releases.append(step.ran(graph, planned))
+    return rooms, releases
+
+
+def _backward(releases: list) -> None:
+    for release in releases:
+        release()
+
+
+def test_a_run_the_plan_leaves_no_room_for_is_planned_at_the_minimum():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 10, 60))
+    rooms, releases = _runs(step, FIRST, 2)
+    assert rooms == [None, 10]           # 60 + 10 fit in 100: no warning
+    _backward(releases)
+
+
+def test_once_a_step_showed_its_runs_each_gets_an_equal_part_of_the_budget():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 10, 60))
+    _backward(_runs(step, FIRST, 2)[1])
+    rooms, releases = _runs(step, FIRST, 2)
+    assert rooms == [50, 50]
+    _backward(releases)
+    assert _runs(step, FIRST, 2)[0] == [50, 50]
+
+
+def test_runs_that_fit_their_plan_are_not_planned_again():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 10, 40))
+    _backward(_runs(step, FIRST, 2)[1])
+    assert _runs(step, FIRST, 2)[0] == [None, None]
+
+
+def test_a_run_past_the_budget_warns_once_and_the_next_step_fits():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 30, 90))
+    with pytest.warns(RuntimeWarning, match="ran 2 times before the backward") as caught:
+        rooms, releases = _runs(step, FIRST, 3)
+    assert rooms == [None, 30, 30] and len(caught) == 1
+    _backward(releases)
+    assert _runs(step, FIRST, 3)[0] == [33, 33, 33]
+
+
+def test_runs_that_cannot_fit_at_their_minimum_are_an_error_once_known():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 60, 80))
+    with pytest.warns(RuntimeWarning, match="over memory_budget"):
+        _backward(_runs(step, FIRST, 2)[1])
+    with pytest.raises(StormBudgetError, match="runs 2 times before the backward: at their "
+                                               "minimum.* hold 120 bytes"):
+        step.run_room(FIRST, 100, replannable=True)
+
+
+def test_the_other_graphs_plans_come_first():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 10, 60))
+    step.record(SECOND, _share(100, 0, 30))
+    _backward([*_runs(step, SECOND, 1)[1], *_runs(step, FIRST, 2)[1]])
+    _runs(step, SECOND, 1)
+    assert _runs(step, FIRST, 2)[0] == [35, 35]
+
+
+def test_a_graph_planned_for_one_run_raises_at_the_run_that_takes_the_step_over():
     step = StepBudget()
     step.record(FIRST, _share(100, 0, 40))
-    step.ran(FIRST, budget=100)
-    step.ran(FIRST, budget=100)          # two runs hold 80 of 100
-    with pytest.raises(StormBudgetError, match="ran 3 times before the backward") as caught:
-        step.ran(FIRST, budget=100)
+    _runs(step, FIRST, 2, replannable=False)          # two runs hold 80 of 100
+    with pytest.raises(StormBudgetError, match="runs 3 times before the backward") as caught:
+        step.run_room(FIRST, 100, replannable=False)
     for cause in ("identical blocks", "several forwards before one backward",
                   "run validation under torch.no_grad()"):
         assert cause in str(caught.value)
@@ -98,24 +169,21 @@ def test_runs_of_one_graph_before_the_backward_count_against_a_byte_budget():
 def test_a_run_released_by_its_backward_no_longer_counts():
     step = StepBudget()
     step.record(FIRST, _share(100, 0, 60))
-    first = step.ran(FIRST, budget=100)
-    first()
-    first()                              # its backward started and its graph is gone: once
-    second = step.ran(FIRST, budget=100)
-    second()
-    step.ran(FIRST, budget=100)          # gradient accumulation: one run per backward
-    with pytest.raises(StormBudgetError, match="ran 2 times"):
-        step.ran(FIRST, budget=100)
+    rooms, releases = _runs(step, FIRST, 1, replannable=False)
+    releases[0]()
+    releases[0]()                        # its backward started and its graph is gone: once
+    _backward(_runs(step, FIRST, 1, replannable=False)[1])
+    _runs(step, FIRST, 1, replannable=False)    # gradient accumulation: one run per backward
+    with pytest.raises(StormBudgetError, match="runs 2 times"):
+        step.run_room(FIRST, 100, replannable=False)
 
 
 def test_resident_weights_count_once_however_many_runs():
     step = StepBudget()
     step.record(FIRST, dataclasses.replace(_share(100, 0, 10), resident_bytes=70))
-    step.ran(FIRST, budget=100)
-    step.ran(FIRST, budget=100)          # 2 × 10 + 70
-    step.ran(FIRST, budget=100)          # 3 × 10 + 70
+    _runs(step, FIRST, 3, replannable=False)          # 3 × 10 + 70
     with pytest.raises(StormBudgetError):
-        step.ran(FIRST, budget=100)
+        step.run_room(FIRST, 100, replannable=False)
 
 
 BLOCKS_SHAPE = GPTShape(d_model=64, layers=4, heads=4, seq=32, batch=2, dtype="float32")
@@ -133,16 +201,85 @@ def _blocks_compiled_one_by_one(budget) -> tuple[nn.Module, torch.Tensor, list]:
     return model, x, captured
 
 
-def test_a_byte_budget_over_a_block_graph_run_by_every_block_fails_in_the_first_forward():
+def _block_graph_bytes() -> int:
+    """Activation memory of one block's graph without storm."""
     model, x, captured = _blocks_compiled_one_by_one(0.25)
     model(x).sum().backward()
     assert len(captured) == 1
-    per_block = captured[0].plan.baseline.activation_bytes
-    # Room for the plan of one run, not for four: the second block's run says so.
-    model, x, _ = _blocks_compiled_one_by_one(f"{per_block}B")
-    with pytest.raises(StormBudgetError, match="ran 2 times before the backward") as caught:
-        model(x)
-    assert "fraction" in str(caught.value)
+    return captured[0].plan.baseline.activation_bytes
+
+
+def test_a_byte_budget_over_a_block_graph_run_by_every_block_is_shared_by_its_runs():
+    per_block = _block_graph_bytes()
+    torch.manual_seed(0)
+    reference, (x,) = build_gpt(BLOCKS_SHAPE)
+    # Room for one run's activations, and four runs: the first step shows them (its runs past
+    # the first at their minimum), the next plans each for a quarter.
+    model, x, captured = _blocks_compiled_one_by_one(f"{per_block}B")
+    with pytest.warns(RuntimeWarning, match="ran 2 times before the backward"):
+        model(x).sum().backward()
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()
+    shared = captured[-1]
+    assert shared.plan.target_bytes <= per_block // BLOCKS_SHAPE.layers
+    assert BLOCKS_SHAPE.layers * shared.share.planned_bytes <= per_block
+    reference(x).sum().backward()
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, msg=name)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                         nn.Linear(512, 64))
+
+
+def _mlp_graph_bytes() -> int:
+    """Activation memory of :func:`_mlp`'s graph without storm."""
+    captured, _ = _captured_step(_mlp(), [torch.randn(64, 64)], memory_budget=0.5)
+    return captured[0].plan.baseline.activation_bytes
+
+
+def _assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, ref.grad, msg=name)
+        param.grad, ref.grad = None, None
+
+
+def test_a_siamese_step_shares_a_byte_budget_between_its_two_forwards():
+    budget = _mlp_graph_bytes() // 2
+    model, reference = _mlp(), _mlp()
+    captured = []
+    backend = StormBackend(StormConfig.from_options(
+        **{**PLAN_OPTIONS, "memory_budget": f"{budget}B"}), observer=captured.append)
+    run = torch.compile(model, backend=backend)
+    torch.manual_seed(1)
+    for _ in range(3):
+        a, b = torch.randn(64, 64), torch.randn(64, 64)
+        (run(a) - run(b)).pow(2).mean().backward()
+        (reference(a) - reference(b)).pow(2).mean().backward()
+        _assert_grads_equal(model, reference)
+    # The first step planned the second run at its minimum; the next ones, each run for half.
+    assert [g.plan.target_bytes for g in captured[1:]] == [
+        captured[0].plan.minimum_bytes, budget // 2]
+    assert 2 * captured[-1].share.planned_bytes <= budget
+
+
+def test_a_validation_loss_kept_with_grad_enabled_trains_within_a_byte_budget():
+    model, reference = _mlp(), _mlp()
+    run = torch.compile(model, backend=storm(
+        **PLAN_OPTIONS, memory_budget=f"{_mlp_graph_bytes()}B"))
+    torch.manual_seed(1)
+    validation = torch.randn(64, 64)
+    kept = run(validation).pow(2).mean()                 # its autograd graph lives on
+    for _ in range(2):
+        x = torch.randn(64, 64)
+        run(x).pow(2).mean().backward()
+        reference(x).pow(2).mean().backward()
+        _assert_grads_equal(model, reference)
+    assert kept.grad_fn is not None
 
 
 def test_a_fraction_budget_over_a_block_graph_holds_for_every_run():
@@ -153,22 +290,20 @@ def test_a_fraction_budget_over_a_block_graph_holds_for_every_run():
 
 
 def test_runs_whose_outputs_are_dropped_unused_release_their_share():
-    model, x, captured = _blocks_compiled_one_by_one(0.25)
-    model(x).sum().backward()
-    per_block = captured[0].plan.baseline.activation_bytes
-    model, x, _ = _blocks_compiled_one_by_one(f"{per_block}B")
+    per_block = _block_graph_bytes()
+    model, x, captured = _blocks_compiled_one_by_one(f"{per_block}B")
     block = model.blocks[0]
     for _ in range(3):
         block(x)                         # each run's autograd graph is freed at once
     kept = [block(x)]
-    with pytest.raises(StormBudgetError):
-        kept.append(block(x))
+    assert len(captured) == 1            # one run held: its own plan
+    kept.append(block(x))
+    assert len(captured) == 2            # a second: planned again, at its minimum
+    assert captured[-1].plan.target_bytes == captured[0].plan.minimum_bytes
 
 
 def test_a_byte_budget_with_room_for_every_run_trains():
-    model, x, captured = _blocks_compiled_one_by_one(0.25)
-    model(x).sum().backward()
-    per_block = captured[0].plan.baseline.activation_bytes
+    per_block = _block_graph_bytes()
     model, x, _ = _blocks_compiled_one_by_one(f"{BLOCKS_SHAPE.layers * per_block}B")
     for _ in range(2):
         model(x).sum().backward()

@@ -6,6 +6,7 @@ through the ``torch_dynamo_backends`` entry point); ``storm(**options)`` builds 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -23,7 +24,7 @@ import storm_compile
 from storm_compile import passes
 from storm_compile.compiler.pin_transfers import inductor_patches
 from storm_compile.compiler.pipeline import storm_partition
-from storm_compile.config import StormConfig, StormOptionError
+from storm_compile.config import MemoryBudget, StormConfig, StormOptionError
 from storm_compile.cost.calibrate import profile_for
 from storm_compile.cost.cost_model import CostModel, MeasuredCosts
 from storm_compile.fx.graphs import PassContext, StormGraphs
@@ -190,18 +191,38 @@ class StormBackend:
                       "nothing is saved for a backward; compiling unchanged")
         step = self.step
         graph, recorded = step.peek_graph(), step.last
+        budget = self.config.memory_budget
+        replannable = budget.nbytes is not None and not _streams(gm)
+        original = _graph_copy(gm) if replannable else None
         self._prepare(gm, example_inputs, graph)
         compiled = self._compile(gm, example_inputs)
         if step.last == recorded and self.partitioner.record_key is not None:
             self._replay(self.partitioner.record_key)
-        budget = self.config.memory_budget
         if step.last == recorded:
             return compiled
         if budget.given and step.last.position > 0:
             self._warn_split()
         if not budget.given:
             return compiled
-        return _counting_runs(compiled, step, step.last, budget.nbytes)
+        replan = None if original is None else functools.partial(
+            self._planned_for, original, example_inputs)
+        return _counting_runs(compiled, step, step.last, budget.nbytes, replan)
+
+    def _planned_for(self, gm: fx.GraphModule, example_inputs: list[Any], room: int
+                     ) -> tuple[Callable, int]:
+        """``gm`` (dynamo's graph, as it came) compiled for one run holding at most ``room``
+        bytes of activations beside nothing else, and the activation bytes that plan holds: a
+        run :meth:`StepBudget.run_room` asked to plan again. Its own ledger never joins the
+        step's."""
+        config = dataclasses.replace(self.config, memory_budget=MemoryBudget(nbytes=room))
+        backend = StormBackend(config, self.observer, self.cost_override)
+        fresh = _graph_copy(gm)
+        backend._prepare(fresh, example_inputs, backend.step.peek_graph())
+        compiled = backend._compile(fresh, example_inputs)
+        if backend.step.last is None and backend.partitioner.record_key is not None:
+            backend._replay(backend.partitioner.record_key)
+        log.debug("storm: a graph planned again for a run holding at most %d bytes", room)
+        return compiled, backend.step.share(backend.step.last).planned_bytes
 
     def variant(self, mode: str | None, options: dict[str, Any] | None) -> StormBackend:
         """This backend with ``mode`` and ``options`` over its own, validated as ``storm(...)``
@@ -255,8 +276,7 @@ class StormBackend:
 
     def _bounds_memory(self, gm: fx.GraphModule) -> bool:
         """Whether storm bounds ``gm``'s device memory: a budget, or weights it streams."""
-        return self.config.memory_budget.given or any(
-            node.target in STREAMED_READS for node in gm.graph.nodes)
+        return self.config.memory_budget.given or _streams(gm)
 
     def _warn_split(self) -> None:
         """Once: a frame made several graphs, so DDPOptimizer split it by gradient bucket, and
@@ -274,21 +294,31 @@ class StormBackend:
             RuntimeWarning, stacklevel=2)
 
 
-def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int | None
-                   ) -> Callable:
+def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int | None,
+                   replan: Callable[[int], tuple[Callable, int]] | None) -> Callable:
     """``compiled``, telling ``step`` of each run that autograd will take a backward through
-    (:meth:`StepBudget.ran`: which graphs a step runs, and a byte ``budget`` is the step's,
-    however many times the graph runs in it), and releasing the run when its backward starts
-    or its autograd graph is freed unused."""
+    (:meth:`StepBudget.ran`: which graphs a step runs, and what each run holds) and releasing
+    the run when its backward starts or its autograd graph is freed unused. Under a byte
+    ``budget`` a run the ledger asks to plan again (:meth:`StepBudget.run_room`: the graph runs
+    several times before a backward) runs ``replan(room)``'s graph, compiled once per room;
+    ``replan`` is None for a graph planned for one run only (it streams weights)."""
+    variants: dict[int, tuple[Callable, int]] = {}
 
     def run(*args: Any) -> Any:
-        outputs = compiled(*args)
+        chosen, planned = compiled, step.share(graph).planned_bytes
+        if budget is not None and torch.is_grad_enabled():
+            room = step.run_room(graph, budget, replannable=replan is not None)
+            if room is not None:
+                if room not in variants:
+                    variants[room] = replan(room)
+                chosen, planned = variants[room]
+        outputs = chosen(*args)
         if not torch.is_grad_enabled():
             return outputs
         node = next((t.grad_fn for t in tree_leaves(outputs)
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if node is not None:
-            release = step.ran(graph, budget)
+            release = step.ran(graph, planned)
             node.register_prehook(lambda grad_outputs: release())
             weakref.finalize(node, release)
         return outputs
@@ -296,6 +326,17 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
     if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True
     return run
+
+
+def _streams(gm: fx.GraphModule) -> bool:
+    """Whether dynamo's graph ``gm`` reads weights storm streams."""
+    return any(node.target in STREAMED_READS for node in gm.graph.nodes)
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with a graph of its own (its attributes shared), for compiling once more: a
+    compile may rewrite the graph it is given."""
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
 
 
 class _Decompositions(dict):

@@ -29,12 +29,24 @@ without storm and as planned:
   graph may spend ``max_overhead * (S + s_k)`` less what the other graphs spent.
 
 One compiled graph may run several times before the step's backward: identical blocks compile
-to one graph when each is compiled on its own (torchtitan's way) or sits behind FSDP2's hooks.
-Planning cannot see that; the forward can. Under a byte budget :meth:`StepBudget.ran` counts
-each graph's runs whose backward is still to come, and raises :class:`StormBudgetError` as soon
-as they hold more than the budget: the plan was made for one run, and a byte budget cannot be
-shared among runs the planner never saw. A fraction budget, or ``"auto"``, holds for every run
-alike.
+to one graph when each is compiled on its own (torchtitan's way) or sits behind FSDP2's hooks, a
+siamese or GAN step makes several forwards before one backward, and a validation loss kept with
+grad enabled keeps its autograd graph. Planning sees one run; the forward sees them all. Under a
+byte budget :meth:`StepBudget.run_room` decides, before each run, the activation memory that run
+must be planned for (the backend compiles the graph once more for it, :mod:`backend`), and
+:meth:`StepBudget.ran` counts what each run whose backward is still to come holds:
+
+* a run the graph's own plan fits beside what the step holds uses that plan;
+* in a step where a graph runs more often than in the last finished step, each further run is
+  planned at the graph's minimum (the step learns the count here; storm warns once when even
+  that takes the step over the budget);
+* once a finished step ran a graph ``k`` times, each of its ``k`` runs is planned for an equal
+  part of what the step's other graphs leave; when ``k`` runs at their minimum and the other
+  graphs' minimums do not fit, the budget is infeasible (:class:`StormBudgetError`).
+
+A fraction budget, or ``"auto"``, holds for every run alike. A graph that streams weights bounds
+its device peak, weights included, and is not planned again per run: a run over the budget raises
+:class:`StormBudgetError`.
 """
 
 from __future__ import annotations
@@ -160,8 +172,9 @@ class StepBudget:
         self._shares: dict[GraphId, GraphShare] = {}
         self._positions: dict[tuple[int, int], int] = {}
         self._warned = False
-        self._runs: dict[GraphId, int] = {}
-        """Runs of each graph whose backward is still to come."""
+        self._warned_runs = False
+        self._runs: dict[GraphId, list[int]] = {}
+        """Activation bytes each run of a graph whose backward is still to come holds."""
         self._ran: list[GraphId] = []
         """The graphs the step under way ran, in order."""
         self._before: tuple[GraphId, ...] | None = None
@@ -214,12 +227,83 @@ class StepBudget:
         """Shares of the other graphs of ``graph``'s step (:meth:`_other_shares`)."""
         return list(self._other_shares(graph).values())
 
-    def ran(self, graph: GraphId, budget: int | None) -> Callable[[], None]:
-        """``graph`` ran a forward whose backward is still to come; under a byte ``budget``,
-        raise :class:`StormBudgetError` when the runs whose backward is to come hold more than
-        it. Returns what to call once the run's backward starts or its autograd graph is gone
-        (either, any number of times); when no run is left waiting, the step has finished."""
-        runs = self._runs[graph] = self._runs.get(graph, 0) + 1
+    def run_room(self, graph: GraphId, budget: int, replannable: bool) -> int | None:
+        """The activation memory the next run of the recorded ``graph`` must be planned for
+        under a byte ``budget``, or None when the graph's own plan serves it (see the module
+        docstring). ``replannable`` is False for a graph that is not planned again per run (it
+        streams weights): a run that takes the step over the budget raises
+        :class:`StormBudgetError`."""
+        share, runs = self._shares[graph], self._runs.get(graph, [])
+        learned = 0 if self._before is None else self._before.count(graph)
+        if not runs and learned < 2:
+            return None                      # the run its plan was made for
+        others = self._other_shares(graph)
+        resident = share.resident_bytes + sum(s.resident_bytes for s in others.values())
+        held = resident + sum(runs) + sum(
+            sum(self._runs[key]) if self._runs.get(key) else s.planned_bytes
+            for key, s in others.items())
+        if not replannable:
+            if held + share.planned_bytes > budget:
+                raise self._runs_over(budget, len(runs) + 1, share.planned_bytes,
+                                      held + share.planned_bytes)
+            return None
+        if len(runs) >= learned:
+            if held + share.planned_bytes <= budget:
+                return None
+            self._warn_runs(held + share.minimum_bytes - budget, len(runs) + 1, True)
+            return share.minimum_bytes
+        planned = resident + sum(s.planned_bytes for s in others.values())
+        room = (budget - planned) // learned
+        if share.planned_bytes <= room:
+            return None
+        if room >= share.minimum_bytes:
+            return room
+        least = learned * share.minimum_bytes + resident + sum(
+            s.minimum_bytes for s in others.values())
+        if least > budget:
+            raise StormBudgetError(
+                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one "
+                f"of its compiled graphs runs {learned} times before the backward: at their "
+                f"minimum, its runs ({share.minimum_bytes} bytes each) and the step's other "
+                f"graphs hold {least} bytes ({least / GIB:.3f} GiB). Raise memory_budget, or "
+                f"run fewer forwards per backward")
+        self._warn_runs(learned * share.minimum_bytes + planned - budget, learned, False)
+        return share.minimum_bytes
+
+    def _warn_runs(self, excess: int, runs: int, discovered: bool) -> None:
+        if self._warned_runs or excess <= 0:
+            return
+        self._warned_runs = True
+        cause = ("runs past the first are planned at their minimum in the step that shows "
+                 "them; from the next step on each run is planned for an equal part of the "
+                 "budget" if discovered else
+                 "the step's other graphs, planned before the runs were known, took the room")
+        warnings.warn(
+            f"storm: a compiled graph ran {runs} times before the backward and the step holds "
+            f"{excess} bytes ({excess / GIB:.3f} GiB) of activations over memory_budget: "
+            f"{cause}", RuntimeWarning, stacklevel=3)
+
+    @staticmethod
+    def _runs_over(budget: int, runs: int, planned: int, held: int) -> StormBudgetError:
+        return StormBudgetError(
+            f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one of "
+            f"its compiled graphs, which streams weights and is planned for one run, runs "
+            f"{runs} times before the backward: at {planned} bytes ({planned / GIB:.3f} GiB) "
+            f"a run, the step would hold {held} bytes ({held / GIB:.3f} GiB). A graph runs "
+            f"several times before a backward when identical blocks compile to one graph, when "
+            f"a step makes several forwards before one backward (a siamese or GAN step), or "
+            f"when an earlier forward's outputs still hold its autograd graph (a validation "
+            f"loss kept with grad enabled: run validation under torch.no_grad(), or keep "
+            f"loss.item()). Give memory_budget as a fraction (such as 0.5), which holds for "
+            f"every run, or in bytes divided by the runs")
+
+    def ran(self, graph: GraphId, planned_bytes: int) -> Callable[[], None]:
+        """``graph`` ran a forward whose backward is still to come, holding ``planned_bytes``
+        of activations. Returns what to call once the run's backward starts or its autograd
+        graph is gone (either, any number of times); when no run is left waiting, the step has
+        finished."""
+        runs = self._runs.setdefault(graph, [])
+        runs.append(planned_bytes)
         self._ran.append(graph)
         released = False
 
@@ -227,30 +311,10 @@ class StepBudget:
             nonlocal released
             if not released:
                 released = True
-                self._runs[graph] -= 1
+                runs.remove(planned_bytes)
                 if not any(self._runs.values()):
                     self._before, self._ran = tuple(self._ran), []
 
-        if runs < 2 or budget is None:
-            return release
-        shares = self._in_step(graph, len(self._ran))
-        # Every graph of the step holds at least the one run it was planned for.
-        held = sum(max(self._runs.get(key, 0), 1) * share.planned_bytes + share.resident_bytes
-                   for key, share in shares.items())
-        if held > budget:
-            release()
-            planned = shares[graph].planned_bytes
-            raise StormBudgetError(
-                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one "
-                f"of its compiled graphs ran {runs} times before the backward: planned for one "
-                f"run at {planned} bytes ({planned / GIB:.3f} GiB), the step would hold {held} "
-                f"bytes ({held / GIB:.3f} GiB). A graph runs several times before a backward "
-                f"when identical blocks compile to one graph (each compiled on its own, or "
-                f"behind FSDP2's hooks), when a step makes several forwards before one backward "
-                f"(a siamese or GAN step), or when an earlier forward's outputs still hold its "
-                f"autograd graph (a validation loss kept with grad enabled: run validation "
-                f"under torch.no_grad(), or keep loss.item()). Give memory_budget as a fraction "
-                f"(such as 0.5), which holds for every run, or in bytes divided by the runs")
         return release
 
     def view(self, graph: GraphId) -> StepView:

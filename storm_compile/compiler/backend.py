@@ -6,6 +6,7 @@ through the ``torch_dynamo_backends`` entry point); ``storm(**options)`` builds 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -30,6 +31,7 @@ from storm_compile.cost.cost_model import CostModel, MeasuredCosts
 from storm_compile.fx.graphs import PassContext, StormGraphs
 from storm_compile.fx.torch_private import (
     CustomPartitionerFn,
+    TracingContext,
     aot_autograd,
     boxed_nop,
     compile_fx,
@@ -40,6 +42,7 @@ from storm_compile.fx.torch_private import (
     joint_graph_passes,
     list_mode_options,
     select_decomp_table,
+    tracing,
     tree_leaves,
 )
 from storm_compile.fx.vocabulary import is_transfer
@@ -205,20 +208,22 @@ class StormBackend:
         if not budget.given:
             return compiled
         replan = None if original is None else functools.partial(
-            self._planned_for, original, example_inputs)
+            self._planned_for, original, example_inputs, TracingContext.try_get())
         return _counting_runs(compiled, step, step.last, budget.nbytes, replan)
 
-    def _planned_for(self, gm: fx.GraphModule, example_inputs: list[Any], room: int
-                     ) -> tuple[Callable, int]:
+    def _planned_for(self, gm: fx.GraphModule, example_inputs: list[Any], context: Any,
+                     room: int) -> tuple[Callable, int]:
         """``gm`` (dynamo's graph, as it came) compiled for one run holding at most ``room``
         bytes of activations beside nothing else, and the activation bytes that plan holds: a
-        run :meth:`StepBudget.run_room` asked to plan again. Its own ledger never joins the
-        step's."""
+        run :meth:`StepBudget.run_room` asked to plan again. It compiles in dynamo's tracing
+        ``context`` of the first compile (its fake tensors' shape environment, which the
+        caches key on), and its own ledger never joins the step's."""
         config = dataclasses.replace(self.config, memory_budget=MemoryBudget(nbytes=room))
         backend = StormBackend(config, self.observer, self.cost_override)
         fresh = _graph_copy(gm)
         backend._prepare(fresh, example_inputs, backend.step.peek_graph())
-        compiled = backend._compile(fresh, example_inputs)
+        with contextlib.nullcontext() if context is None else tracing(context):
+            compiled = backend._compile(fresh, example_inputs)
         if backend.step.last is None and backend.partitioner.record_key is not None:
             backend._replay(backend.partitioner.record_key)
         log.debug("storm: a graph planned again for a run holding at most %d bytes", room)

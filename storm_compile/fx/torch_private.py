@@ -47,6 +47,8 @@ APIS: dict[str, tuple[str, ...]] = {
         "torch._subclasses.fake_tensor:DynamicOutputShapeException",),
     "unset_fake_temporarily": ("torch._subclasses.fake_tensor:unset_fake_temporarily",),
     "CompileContext": ("torch._guards:CompileContext",),
+    "TracingContext": ("torch._guards:TracingContext",),
+    "tracing": ("torch._guards:tracing",),
     # Dynamo's backend helpers and Inductor: the backend and the compile.
     "aot_autograd": ("torch._dynamo.backends.common:aot_autograd",),
     "boxed_nop": ("torch._dynamo.backends.debugging:boxed_nop",),

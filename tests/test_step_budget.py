@@ -267,6 +267,21 @@ def test_a_siamese_step_shares_a_byte_budget_between_its_two_forwards():
     assert 2 * captured[-1].share.planned_bytes <= budget
 
 
+def test_a_gan_step_shares_a_byte_budget_between_its_graphs_and_its_runs():
+    generator, discriminator = _mlp(), _mlp()
+    references = _mlp(), _mlp()
+    backend = storm(**PLAN_OPTIONS, memory_budget=f"{_mlp_graph_bytes()}B")
+    compiled = torch.compile(generator, backend=backend), torch.compile(discriminator,
+                                                                       backend=backend)
+    torch.manual_seed(1)
+    for _ in range(3):
+        z, real = torch.randn(64, 64), torch.randn(64, 64)
+        for make, judge in (compiled, references):
+            (judge(real).mean() - judge(make(z)).mean()).backward()
+        _assert_grads_equal(generator, references[0])
+        _assert_grads_equal(discriminator, references[1])
+
+
 def test_a_validation_loss_kept_with_grad_enabled_trains_within_a_byte_budget():
     model, reference = _mlp(), _mlp()
     run = torch.compile(model, backend=storm(

@@ -33,7 +33,8 @@ to one graph when each is compiled on its own (torchtitan's way) or sits behind 
 siamese or GAN step makes several forwards before one backward, and a validation loss kept with
 grad enabled keeps its autograd graph. Planning sees one run; the forward sees them all. Under a
 byte budget :meth:`StepBudget.run_room` decides, before each run, the activation memory that run
-must be planned for (the backend compiles the graph once more for it, :mod:`backend`), and
+must be planned for (the backend compiles the graph once more for it,
+:func:`storm_compile.compiler.backend._counting_runs`), and
 :meth:`StepBudget.ran` counts what each run whose backward is still to come holds:
 
 * a run the graph's own plan fits beside what the step holds uses that plan;

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import CPU_TEST_OPTIONS, cost_model, nodes
@@ -36,7 +37,7 @@ from storm_compile.passes import (
     verify_graphs,
 )
 from storm_compile.runtime import ops
-from storm_compile.runtime.streams import HostAdder, get_runtime
+from storm_compile.runtime.streams import HostAdder, PinnedPool, bucket_bytes, get_runtime
 from storm_compile.weights import streaming
 from storm_compile.weights.streaming import StormHostMemoryError, stream_parameters
 
@@ -1042,3 +1043,111 @@ def test_storm_leaves_pinning_alone_where_switching_is_not_safe_or_not_its_call(
     monkeypatch.setattr(torch.cuda.memory, "host_memory_stats", stats)
     assert not runtime.pin_quickly()
     assert settings == []
+
+
+class _PinCounter:
+    """``PinnedPool._pin`` on a machine without CUDA: a plain buffer, counted; with ``gate``,
+    the first pin waits for it."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.sizes: list[int] = []
+        self.gate = gate
+
+    def __call__(self, size: int) -> torch.Tensor:
+        if self.gate is not None and not self.sizes:
+            self.sizes.append(size)
+            self.gate.wait()
+        else:
+            self.sizes.append(size)
+        return torch.empty(size, dtype=torch.uint8)
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    """A fresh pinned pool that pins through :class:`_PinCounter` (``pool.pins``)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fresh = PinnedPool()
+    fresh.pins = _PinCounter()
+    monkeypatch.setattr(fresh, "_pin", fresh.pins)
+    return fresh
+
+
+POOL_LIMIT = 1 << 20
+
+
+def test_a_reservation_pins_ahead_and_acquire_takes_what_it_pinned(pool):
+    pool.reserve([1000, 1000, 5000], POOL_LIMIT).join()
+    assert sorted(pool.pins.sizes) == sorted(map(bucket_bytes, [1000, 1000, 5000]))
+    held = pool.acquire(1000, POOL_LIMIT).view(-1)  # in use: the next acquire takes the other
+    second = pool.acquire(1000, POOL_LIMIT)
+    assert second is not None and second.data_ptr() != held.data_ptr()
+    assert len(pool.pins.sizes) == 3
+    assert pool.reserve([1000, 5000], POOL_LIMIT) is None     # all held already
+
+
+def test_a_reservation_stops_at_the_limit(pool):
+    size = bucket_bytes(1000)
+    pool.reserve([1000] * 5, 2 * size).join()
+    assert pool.pins.sizes == [size, size] and pool.reserved_bytes == 2 * size
+
+
+def test_acquire_waits_for_a_buffer_being_reserved_instead_of_pinning_another(pool):
+    gate = threading.Event()
+    pool.pins.gate = gate
+    pool.reserve([1000], POOL_LIMIT)
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(pool.acquire(1000, POOL_LIMIT)))
+    taker.start()
+    taker.join(WORKER_SETTLE_S)
+    assert taker.is_alive() and not taken       # waiting for the reservation's buffer
+    gate.set()
+    taker.join()
+    assert taken[0] is not None and len(pool.pins.sizes) == 1
+
+
+class _Reads(TorchDispatchMode):
+    """The host weights ``storm.fetch_weight`` reads, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is ops.fetch_weight:
+            self.weights.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_backend_prepares_each_streamed_gradient_as_it_compiles(monkeypatch):
+    """Every trainable streamed weight, once, in the order the backward sends
+    them (the forward's reads reversed), under the option's host limit."""
+    reserved = []
+    monkeypatch.setattr(get_runtime(), "prepare_backward",
+                        lambda weights, limit: reserved.append((weights, limit)))
+    _, model, batch = _pair()
+    model.blocks[0].q.parametrizations.weight.original.requires_grad_(False)
+    with _Reads() as reads:
+        model(*batch)
+    sent, seen = [], set()
+    for weight in reads.weights:
+        if weight.requires_grad and id(weight) not in seen:
+            seen.add(id(weight))
+            sent.append(weight)
+    torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))(*batch).backward()
+    (weights, limit), = reserved
+    assert len(weights) == len(sent) == len(reads.weights) - 1
+    assert all(w is s for w, s in zip(weights, reversed(sent)))
+    assert limit == StormConfig.from_options(**CPU_TEST_OPTIONS).host_memory_limit
+
+
+def test_prepared_gradient_buffers_are_the_ones_additions_fill():
+    adder = HostAdder()
+    weights = [torch.nn.Parameter(torch.ones(3, 5)), torch.nn.Parameter(torch.ones(7))]
+    adder.prepare(weights).join()
+    prepared = [adder._buffers[w][0].data_ptr() for w in weights]
+    assert adder.prepare(weights) is None       # every buffer exists
+    for weight in weights:
+        adder.add(torch.full_like(weight, 2.0), weight, None)
+    adder.join()
+    assert [w.grad.data_ptr() for w in weights] == prepared
+    assert all(torch.equal(w.grad, torch.full_like(w, 2.0)) for w in weights)

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from storm_compile.planner import plan_cache
 from storm_compile.planner.step_budget import GraphId, StepBudget
 from storm_compile.runtime import ops
 from storm_compile.runtime.ranks import rank_key
+from storm_compile.runtime.streams import get_runtime
 
 log = logging.getLogger("storm_compile")
 
@@ -195,7 +197,11 @@ class StormBackend:
         step = self.step
         graph, recorded = step.peek_graph(), step.last
         budget = self.config.memory_budget
-        replannable = budget.nbytes is not None and not _streams(gm)
+        streams = _streams(gm)
+        if streams and _needs_backward(example_inputs):
+            get_runtime().prepare_backward(_sent_home(gm, example_inputs),
+                                           self.config.host_memory_limit)
+        replannable = budget.nbytes is not None and not streams
         original = _graph_copy(gm) if replannable else None
         self._prepare(gm, example_inputs, graph)
         compiled = self._compile(gm, example_inputs)
@@ -336,6 +342,26 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
 def _streams(gm: fx.GraphModule) -> bool:
     """Whether dynamo's graph ``gm`` reads weights storm streams."""
     return any(node.target in STREAMED_READS for node in gm.graph.nodes)
+
+
+def _sent_home(gm: fx.GraphModule, example_inputs: list[Any]) -> list[torch.Tensor]:
+    """The trainable weights ``gm`` streams, each once, last read first: the gradients its
+    backward sends home, in the order it sends them. The backend has the runtime prepare their
+    pinned and host buffers while the graph compiles or loads from torch's caches
+    (:meth:`~storm_compile.runtime.streams.TransferRuntime.prepare_backward`): a streamed 3B
+    Llama's first backward otherwise pinned 197 buffers (6.4 GB) for 2.1 s on the H200 host."""
+    values = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+    seen, weights = set(), []
+    for node in gm.graph.nodes:
+        if node.target not in STREAMED_READS or not isinstance(node.args[0], fx.Node):
+            continue
+        source = node.args[0]
+        weight = values.get(source) if source.op == "placeholder" else \
+            operator.attrgetter(source.target)(gm) if source.op == "get_attr" else None
+        if isinstance(weight, torch.Tensor) and weight.requires_grad and id(weight) not in seen:
+            seen.add(id(weight))
+            weights.append(weight)
+    return weights[::-1]
 
 
 def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -8,6 +8,7 @@ scattered across the ops.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -116,32 +117,97 @@ class PinnedPool:
 
     The pool never holds more than the limit it is asked with: when a new buffer would pass it,
     idle buffers of other sizes (left by sizes no longer seen) are released first.
+
+    :meth:`reserve` pins buffers ahead, on a thread of its own, while the caller goes on (the
+    backend reserves a streamed graph's gradient buffers while it compiles the graph, or loads it
+    from torch's caches); :meth:`acquire` of a size still being reserved waits for that buffer
+    instead of pinning another.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.reserved_bytes = 0
+        self._changed = threading.Condition()
+        """Held while the buffers or :attr:`_pending` change; notified after each change."""
+        self._pending: collections.Counter[int] = collections.Counter()
+        """Buffers of each bucket size a reservation will still pin."""
+
+    def _pin(self, size: int) -> torch.Tensor | None:
+        """A new pinned uint8 buffer of ``size`` bytes, or None when it cannot be pinned."""
+        pin_quickly()
+        try:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as error:
+            log.debug("pinning %d bytes failed: %s", size, error)
+            return None
+
+    def _idle(self, size: int) -> torch.Tensor | None:
+        for buffer, idle_count in self._buffers.get(size, ()):
+            if _storage_use_count(buffer) == idle_count:
+                return buffer
+        return None
+
+    def _keep(self, buffer: torch.Tensor, size: int) -> None:
+        self._buffers.setdefault(size, []).append((buffer, _storage_use_count(buffer)))
+        self.reserved_bytes += size
 
     def acquire(self, nbytes: int, limit: int) -> torch.Tensor | None:
         """A pinned uint8 buffer of at least ``nbytes`` not used by anyone, or None when one
         cannot be had within ``limit``."""
         size = bucket_bytes(nbytes)
-        for buffer, idle_count in self._buffers.get(size, ()):
-            if _storage_use_count(buffer) == idle_count:
-                return buffer
-        if self.reserved_bytes + size > limit:
-            self._release_idle(self.reserved_bytes + size - limit)
-        if self.reserved_bytes + size > limit:
+        with self._changed:
+            idle = self._idle(size)
+            while idle is None and self._pending[size] > 0:
+                self._changed.wait()
+                idle = self._idle(size)
+            if idle is not None:
+                return idle
+            if self.reserved_bytes + size > limit:
+                self._release_idle(self.reserved_bytes + size - limit)
+            if self.reserved_bytes + size > limit:
+                return None
+            buffer = self._pin(size)
+            if buffer is not None:
+                self._keep(buffer, size)
+            return buffer
+
+    def reserve(self, sizes: list[int], limit: int) -> threading.Thread | None:
+        """Pin a buffer for each of ``sizes`` (bytes) that the pool does not hold yet, in that
+        order, on a new thread, never past ``limit``: the thread, or None when there is nothing
+        to pin (or no CUDA to pin with)."""
+        if not torch.cuda.is_available():
             return None
-        pin_quickly()
+        with self._changed:
+            held = collections.Counter(
+                {size: len(entries) for size, entries in self._buffers.items()})
+            wanted, order = collections.Counter(), []
+            for size in map(bucket_bytes, sizes):
+                wanted[size] += 1
+                if wanted[size] > held[size] + self._pending[size]:
+                    order.append(size)
+            self._pending.update(order)
+        if not order:
+            return None
+        thread = threading.Thread(target=self._pin_reserved, args=(order, limit),
+                                  name="storm-pin", daemon=True)
+        thread.start()
+        return thread
+
+    def _pin_reserved(self, sizes: list[int], limit: int) -> None:
+        left = collections.Counter(sizes)
         try:
-            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as error:
-            log.debug("pinning %d bytes failed: %s", size, error)
-            return None
-        self._buffers.setdefault(size, []).append((buffer, _storage_use_count(buffer)))
-        self.reserved_bytes += size
-        return buffer
+            for size in sizes:
+                buffer = self._pin(size) if self.reserved_bytes + size <= limit else None
+                with self._changed:
+                    left[size] -= 1
+                    self._pending[size] -= 1
+                    if buffer is not None and self.reserved_bytes + size <= limit:
+                        self._keep(buffer, size)
+                    self._changed.notify_all()
+        finally:
+            with self._changed:
+                self._pending.subtract(left)
+                self._changed.notify_all()
 
     def _release_idle(self, needed: int) -> None:
         """Drop idle buffers, largest first, until ``needed`` bytes are released or none is
@@ -163,8 +229,9 @@ class PinnedPool:
 
     def clear(self) -> None:
         """Forget every buffer; ones still referenced stay alive until their users drop them."""
-        self._buffers.clear()
-        self.reserved_bytes = 0
+        with self._changed:
+            self._buffers.clear()
+            self.reserved_bytes = 0
 
 
 Step = Callable[[torch.Tensor], None]
@@ -221,6 +288,26 @@ class HostAdder:
             self._add_now(x, param, step is not None)
             return
         self._put((x, param, event, step is not None))
+
+    def prepare(self, params: list[torch.Tensor]) -> threading.Thread | None:
+        """Allocate, on a new thread, the gradient buffers of ``params`` that this object does
+        not keep yet, each written once so that its pages are mapped: the first additions of a
+        step then copy into memory that is there, instead of faulting in a model's gradients
+        (1.3 s for a 3B Llama's on the H200 host). The thread, or None when every buffer
+        exists."""
+        missing = [p for p in params if p not in self._buffers]
+        if not missing:
+            return None
+        thread = threading.Thread(target=self._allocate, args=(missing,),
+                                  name="storm-grad-buffers", daemon=True)
+        thread.start()
+        return thread
+
+    def _allocate(self, params: list[torch.Tensor]) -> None:
+        for param in params:
+            buffer = torch.empty_like(param, memory_format=torch.contiguous_format).zero_()
+            if param not in self._buffers:
+                self._buffers[param] = (buffer, _storage_use_count(buffer))
 
     def join(self) -> None:
         """Run the pending steps, wait until every queued addition and step is done; raise the
@@ -461,6 +548,17 @@ class TransferRuntime:
         copy.copy_(host, non_blocking=host.is_pinned())
         self._mirrors[host] = (copy, state)
         return copy
+
+    def prepare_backward(self, weights: list[torch.Tensor], limit: int) -> None:
+        """Ahead of a backward that sends the gradients of the streamed ``weights`` home (in
+        that order), on threads of their own while the caller goes on: pin their buffers
+        (:meth:`PinnedPool.reserve`, within ``limit`` bytes) and map the host gradient buffers
+        they are added into (:meth:`HostAdder.prepare`). Nothing without CUDA, where no copy is
+        pinned."""
+        if not torch.cuda.is_available():
+            return
+        self.pool.reserve([w.numel() * w.element_size() for w in weights], limit)
+        self._adder.prepare(weights)
 
     def wait(self, tensor: torch.Tensor) -> None:
         """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""

@@ -73,10 +73,12 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx
+
+from storm_compile.fx import fp8
 
 from storm_compile.fx.graphs import (
     PassContext,
@@ -90,6 +92,8 @@ from storm_compile.fx.torch_private import tree_leaves
 from storm_compile.fx.vocabulary import node_order, view_chain, view_closure
 from storm_compile.runtime import ops
 
+aten = torch.ops.aten
+prims = torch.ops.prims
 
 PASS_THROUGH = frozenset({ops.record_event, ops.wait_event, ops.accumulate_grad})
 """storm's ops whose fake implementation returns its first argument itself (events and the host
@@ -114,23 +118,70 @@ def _emit(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> f
     return node
 
 
+def _chain(graph: fx.Graph, after: fx.Node, calls: Callable[[Callable], fx.Node]) -> fx.Node:
+    """Emit the nodes ``calls(emit)`` makes one after another, right after ``after``: the node
+    it returns."""
+    last = [after]
+
+    def emit(target, *args: object) -> fx.Node:
+        with graph.inserting_after(last[0]):
+            last[0] = _emit(graph, target, args)
+        return last[0]
+
+    return calls(emit)
+
+
+def _pack_fp8(x: fx.Node) -> Callable[[Callable], fx.Node]:
+    """``x`` packed as :mod:`storm_compile.fx.fp8` holds it: its float32 scale's bytes, then its
+    values over the scale in fp8, as one flat uint8 tensor."""
+    def calls(emit: Callable) -> fx.Node:
+        largest = emit(aten.amax.default, emit(aten.abs.default, x))
+        scale = emit(aten.clamp_min.default, emit(aten.div.Tensor, emit(
+            prims.convert_element_type.default, largest, fp8.SCALE_DTYPE), fp8.FP8_MAX),
+            fp8.MIN_SCALE)
+        values = emit(prims.convert_element_type.default, emit(
+            aten.div.Tensor, emit(prims.convert_element_type.default, x, fp8.SCALE_DTYPE),
+            scale), fp8.FP8)
+        return emit(aten.cat.default, [
+            emit(aten.view.dtype, emit(aten.view.default, scale, [1]), torch.uint8),
+            emit(aten.view.default, emit(aten.view.dtype, values, torch.uint8), [-1])])
+    return calls
+
+
+def _unpack_fp8(packed: fx.Node, value: torch.Tensor) -> Callable[[Callable], fx.Node]:
+    """The tensor ``value`` describes, rebuilt in its dtype from ``packed`` (:func:`_pack_fp8`)."""
+    def calls(emit: Callable) -> fx.Node:
+        scale = emit(aten.view.dtype, emit(aten.slice.Tensor, packed, 0, 0, fp8.SCALE_BYTES),
+                     fp8.SCALE_DTYPE)
+        values = emit(aten.view.default, emit(aten.view.dtype, emit(
+            aten.slice.Tensor, packed, 0, fp8.SCALE_BYTES, fp8.SCALE_BYTES + value.numel()),
+            fp8.FP8), list(value.shape))
+        return emit(prims.convert_element_type.default, emit(aten.mul.Tensor, emit(
+            prims.convert_element_type.default, values, fp8.SCALE_DTYPE), scale), value.dtype)
+    return calls
+
+
 def _offload_in_forward(graph: fx.Graph, root: fx.Node, issue: fx.Node, anchor: fx.Node,
                         ctx: PassContext) -> fx.Node:
-    with graph.inserting_after(issue):
-        host = _emit(graph, ops.offload, (root, ctx.config.host_memory_limit))
+    source = root
+    if fp8.compresses(root.meta["val"], ctx.config.offload_format):
+        source = _chain(graph, issue, _pack_fp8(root))
+    with graph.inserting_after(issue if source is root else source):
+        host = _emit(graph, ops.offload, (source, ctx.config.host_memory_limit))
     with graph.inserting_after(host):
         ready = _emit(graph, ops.record_event, (host,))
     with graph.inserting_after(ready if anchor is issue else anchor):
-        return _emit(graph, ops.wait_event, (ready, root))
+        return _emit(graph, ops.wait_event, (ready, source))
 
 
 def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
                           inputs: dict[fx.Node, fx.Node], prefetch_after: fx.Node | None,
-                          device: torch.device) -> None:
+                          device: torch.device, packed: torch.Tensor | None) -> None:
     """``members`` maps each backward input of the storage to the saved forward value;
     ``inputs`` every saved forward value to its backward input. Symbolic sizes in the replayed
     views are the backward's inputs that receive them (``plan_offload`` lets a view move only
-    when the sizes it uses are saved)."""
+    when the sizes it uses are saved). ``packed``: the storage's tensor, where its copies hold
+    it in fp8 (rebuilt right after the wait); None when they hold it as it is."""
     placeholders = list(members)
     source = placeholders[0]
     users = {h: list(h.users) for h in placeholders}
@@ -145,6 +196,8 @@ def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
         ready = _emit(graph, ops.record_event, (dev,))
     with graph.inserting_before(first_use):
         done = _emit(graph, ops.wait_event, (ready, source))
+        if packed is not None:
+            done = _unpack_fp8(done, packed)(lambda target, *args: _emit(graph, target, args))
         for h, saved in members.items():
             rebuilt = done
             for view in view_chain(saved):
@@ -232,8 +285,10 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             continue
         storage, placement = item
         members = {inputs[m]: m for m in storage.members}
+        value = storage.root.meta["val"]
         _prefetch_in_backward(graphs.backward.graph, members, inputs, placement.prefetch_after,
-                              storage.root.meta["val"].device)
+                              value.device,
+                              value if fp8.compresses(value, ctx.config.offload_format) else None)
         for member in storage.members:
             for view in reversed(view_chain(member)):
                 if not view.users:

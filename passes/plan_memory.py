@@ -172,7 +172,7 @@ def _items(graphs: StormGraphs, movable: tuple[Storage, ...],
             storage.root, list(storage.members), saved)
         hides = isinstance(hiding[storage.root], Placement)
         items.append(_Item(storage, Figures(
-            offload_s=host + (0.0 if hides else ctx.cost.transfer_seconds(storage.nbytes,
+            offload_s=host + (0.0 if hides else ctx.cost.transfer_seconds(storage.link_bytes,
                                                                           Lane.D2H)),
             recompute_s=None if why_not else sum(n.meta[COST_KEY].compute_s for n in chain),
             no_recompute=why_not or "", hides=hides), chain))
@@ -338,7 +338,7 @@ def _offloaded(item: _Item) -> _Item:
 
 def _host_bytes(item: _Item) -> int:
     """Pinned host memory ``item``'s offload holds: its pool bucket."""
-    return bucket_bytes(item.nbytes)
+    return bucket_bytes(item.storage.link_bytes)
 
 
 def _host_full(item: _Item) -> _Item:

@@ -47,6 +47,7 @@ from storm_compile.fx.plan import (
     Storage,
     StoragePlan,
 )
+from storm_compile.fx.fp8 import link_bytes
 from storm_compile.fx.torch_private import HigherOrderOperator
 from storm_compile.fx.vocabulary import (
     hint,
@@ -114,8 +115,10 @@ def plan_offload(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     for root, members in groups.items():
         eligibility = _eligibility(root, members, ctx, visible_roots, inputs)
         cost = root.meta.get(COST_KEY)
+        nbytes = cost.output_bytes if cost else 0
         storages.append(Storage(
-            root=root, members=tuple(members), nbytes=cost.output_bytes if cost else 0,
+            root=root, members=tuple(members), nbytes=nbytes,
+            link_bytes=link_bytes(root.meta.get("val"), nbytes, ctx.config.offload_format),
             first_read=first_backward_read(inputs, members, order)
             if eligibility.movable else None,
             eligibility=eligibility))

@@ -30,6 +30,7 @@ swapped, and the data loader and the rest of the process need the other half."""
 
 InnerCompiler = Literal["inductor", "eager"]
 OffloadMode = Literal["hidden", "all"]
+OffloadFormat = Literal[None, "fp8"]
 CostMode = Literal["roofline", "measured"]
 InductorMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
@@ -45,6 +46,7 @@ PRESETS: dict[str, dict[str, object]] = {
     "storm": {},
     "storm-measured": {"cost": "measured"},
     "storm-all": {"offload": "all"},
+    "storm-all-fp8": {"offload": "all", "offload_format": "fp8"},
     "storm-auto": {"memory_budget": "auto"},
     **{f"storm-budget-{fraction}": {"memory_budget": fraction} for fraction in BUDGET_SWEEP},
 }
@@ -216,6 +218,12 @@ class StormConfig:
     under compute, both ways. ``"all"``: every storage that can leave the device does: offloaded,
     or recomputed in the backward where that is predicted cheaper than waiting for the link."""
 
+    offload_format: OffloadFormat = None
+    """How offloaded activations are held on the host. None: as they are (exact). ``"fp8"``:
+    lossy; a bf16, fp16 or fp32 activation is copied as fp8 values with one float32 scale
+    (half a bf16's link bytes, a quarter of a float32's) and rebuilt in its dtype in the
+    backward, about 2-3 % off each value (:mod:`storm_compile.fx.fp8`); never the default."""
+
     memory_budget: MemoryBudget = MemoryBudget()
     """Cap on activation memory (device memory held for the backward at the end of the forward,
     per compiled graph). A number without a unit is a fraction in (0, 1] of the activation memory
@@ -289,7 +297,8 @@ class StormConfig:
 
     def _validate(self) -> None:
         for name, kind in (("inner", InnerCompiler), ("offload", OffloadMode),
-                           ("cost", CostMode), ("mode", InductorMode)):
+                           ("cost", CostMode), ("mode", InductorMode),
+                           ("offload_format", OffloadFormat)):
             allowed = get_args(kind)
             if getattr(self, name) not in allowed:
                 raise StormOptionError(f"storm option {name!r}: expected one of {allowed}, "

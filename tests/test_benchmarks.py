@@ -8,6 +8,7 @@ import torch
 
 from benchmarks import activation_memory, memory_at_oom, optimizer, streaming
 from benchmarks.trace_analysis import analyse
+from helpers import FP8_GRADIENT_ERROR
 from storm_compile.config import PRESETS
 from storm_compile.fx.prediction import Prediction
 
@@ -24,7 +25,9 @@ def test_smoke_writes_table_and_json(tmp_path):
     assert all("CUDA" in r["error"] for r in failed)
     ran = [r for r in rows if "error" not in r]
     assert all(r["step_ms"] > 0 for r in ran)
-    assert all(r["grad_rel_error"] < 1e-3 for r in ran if r["method"] != "compile")
+    lossy = {name for name, options in PRESETS.items() if options.get("offload_format")}
+    assert all(r["grad_rel_error"] < (FP8_GRADIENT_ERROR if r["method"] in lossy else 1e-3)
+               for r in ran if r["method"] != "compile")
     table = (tmp_path / "results.md").read_text()
     assert "| storm " in table and "step ×" in table
 

@@ -552,6 +552,17 @@ def test_schedule_host_memory_limit_bounds_the_offloads(capsys):
     assert "Raise host_memory_limit" in _one_line_error(capsys)
 
 
+def test_schedule_fp8_offloads_move_fewer_bytes(capsys):
+    argv = ["schedule", "gpt", *TINY_SHAPE, "--offload", "all", "--no-recompute", "--format",
+            "json"]
+    moved = []
+    for extra in ([], ["--offload-format", "fp8"]):
+        assert main([*argv, *extra]) == 0
+        moved.append(json.loads(capsys.readouterr().out)["summary"]["offloaded_bytes"])
+    exact, packed = moved
+    assert 0 < packed < exact
+
+
 @pytest.mark.parametrize("budget, message", [
     ("12parsecs", "cannot use '12parsecs': unknown size unit 'parsecs'"),
     ("1KiB", "below the minimum feasible"),

@@ -9,6 +9,11 @@ Recompute: under ``memory_budget=0.5`` relu must leave; rebuilding it (``mm`` an
 1 µs each) beats its 10 µs copy, so ``rematerialize`` saves the graph inputs instead and reruns
 both ops in the backward right before their first use.
 
+fp8: the offload case with ``offload_format="fp8"``: the forward packs relu (its float32 scale's
+bytes, then relu over the scale in fp8, one uint8 tensor of 516 bytes) right after relu and
+offloads the packed tensor, whose wait now keeps it alive; the backward rebuilds relu in float32
+from the prefetched bytes right after the wait, before the saved view's replays.
+
 Streamed: the same function as a module whose two weights live in host memory
 (``stream_parameters``, cpu-test profile, defaults otherwise): each graph prefetches every weight
 it reads (prefetch, record, wait right before the first read); the backward sends each weight's
@@ -38,7 +43,8 @@ BASE_OPTIONS = dict(inner="eager", transfer_cpu_tensors=True, min_offload_bytes=
                     profile="cpu-test", host_memory_limit="1GiB")
 GOLDEN_OPTIONS = dict(BASE_OPTIONS, offload="all", recompute=False)
 RECOMPUTE_OPTIONS = dict(BASE_OPTIONS, memory_budget=0.5)
-CASES = {"offload": GOLDEN_OPTIONS, "recompute": RECOMPUTE_OPTIONS}
+FP8_OPTIONS = dict(GOLDEN_OPTIONS, offload_format="fp8")
+CASES = {"offload": GOLDEN_OPTIONS, "recompute": RECOMPUTE_OPTIONS, "fp8": FP8_OPTIONS}
 
 GOLDEN_DIR = Path(__file__).parent / "goldens"
 ACCEPT_ENV = "STORM_ACCEPT_GOLDENS"

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from helpers import FP8_GRADIENT_ERROR
 from storm_compile import StormBackend, StormConfig, storm
 from storm_compile.cli.models import GPTShape, build_gpt
 from storm_compile.runtime.streams import get_runtime
@@ -32,6 +33,21 @@ def _step(backend, steps: int = 1):
 
 def _rel_error(grads, ref):
     return max(((grads[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
+
+
+def test_fp8_offloads_halve_the_host_bytes_and_keep_gradients_close():
+    ref_held, ref_grads = _step("inductor")
+    get_runtime().pool.clear()
+    torch._dynamo.reset()
+    _step(storm(min_offload_bytes=0, offload="all", recompute=False))
+    exact = get_runtime().pool.reserved_bytes
+    get_runtime().pool.clear()
+    torch._dynamo.reset()
+    held, grads = _step(storm(min_offload_bytes=0, offload="all", recompute=False,
+                              offload_format="fp8"))
+    assert get_runtime().pool.reserved_bytes < 0.6 * exact, (exact,)
+    assert held < ref_held / 2, (held, ref_held)
+    assert _rel_error(grads, ref_grads) < FP8_GRADIENT_ERROR
 
 
 def test_storm_frees_device_memory_and_matches_compile():

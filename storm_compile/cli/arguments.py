@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arguments(schedule, ANY_MODEL_HELP)
     schedule.add_argument("--offload", choices=("hidden", "all"), default=None,
                           help="storm option offload")
+    schedule.add_argument("--offload-format", choices=("fp8",), default=None,
+                          help="storm option offload_format: offloaded activations held in fp8 "
+                               "with a scale (lossy)")
     schedule.add_argument("--memory-budget", default=None,
                           help="storm option memory_budget, read as in Python: a number without "
                                "a unit is a fraction in (0, 1] (0.5, 1), a size carries its unit "

@@ -284,8 +284,8 @@ def _shape(args: argparse.Namespace) -> dict[str, object]:
 
 def _context(args: argparse.Namespace, **options: object) -> PassContext:
     """:func:`planning_context` of the storm options given on the command line and ``options``."""
-    for name in ("profile", "offload", "min_offload_bytes", "recompute", "max_overhead",
-                 "host_memory_limit"):
+    for name in ("profile", "offload", "offload_format", "min_offload_bytes", "recompute",
+                 "max_overhead", "host_memory_limit"):
         if getattr(args, name, None) is not None:
             options[name] = getattr(args, name)
     return planning_context(**options)

@@ -131,7 +131,8 @@ def _last_read(line: _Timeline, source: fx.Node) -> int:
 
 
 def _outgoing(line: _Timeline, storage: Storage) -> _Outgoing:
-    return _Outgoing(storage.root, storage.root, storage.nbytes, _last_read(line, storage.root))
+    return _Outgoing(storage.root, storage.root, storage.link_bytes,
+                     _last_read(line, storage.root))
 
 
 def _gradients(line: _Timeline) -> list[_Outgoing]:
@@ -321,7 +322,7 @@ def place(graphs: StormGraphs, storages: Sequence[Storage], required: set[fx.Nod
         candidates = [s for s in storages if s.root not in dropped]
         fw = _d2h(forward, [_outgoing(forward, s) for s in candidates], required, ctx)
         dropped.update({r: why for r, why in fw.items() if isinstance(why, Unplaced)})
-        requests = [_Request(s.root, s.nbytes, s.first_read) for s in candidates
+        requests = [_Request(s.root, s.link_bytes, s.first_read) for s in candidates
                     if s.root not in dropped] + _requests(bw_fetches)
         bw = _h2d(graphs.backward, backward, requests, required | fetched, ctx)
         late = {r: why for r, why in bw.items() if isinstance(why, Unplaced)}

@@ -85,7 +85,10 @@ class Storage:
     members: tuple[fx.Node, ...]
     """The saved forward values living in it (``root`` and/or views of it), in output order."""
     nbytes: int
-    """What a transfer moves and the device memory it frees."""
+    """The device memory it frees."""
+    link_bytes: int
+    """What each of its copies moves: ``nbytes``, or its packed fp8 bytes
+    (:func:`~storm_compile.fx.fp8.link_bytes`), and the pinned host memory it holds."""
     first_read: fx.Node | None
     """The first backward node reading its data (views of it do not count); None when the
     backward does not read it."""

@@ -29,6 +29,20 @@ Backward (each of ``h1..hk`` now holds the host copy; only ``h1`` is read)::
     <the backward's views of h1..hk, moved here in their order>
     first_read(...)                                   # every former use of hi reads mi
 
+Under ``offload_format="fp8"`` a storage :func:`~storm_compile.fx.fp8.compresses` crosses
+packed: the forward emits, right after ``offload_after_node``::
+
+    s = clamp_min(convert_element_type(amax(abs(r)), float32) / 448, tiny)   # r's scale
+    q = convert_element_type(convert_element_type(r, float32) / s, float8_e4m3fn)
+    p = cat([view.dtype(view(s, [1]), uint8), view(view.dtype(q, uint8), [-1])])
+    r_host = storm.offload(p, host_limit); ...; storm.wait_event(r_host_ready, p)
+
+and the backward rebuilds ``r`` right after the prefetch's wait, before the views' replays::
+
+    r_dev = convert_element_type(convert_element_type(view(view.dtype(
+        slice(r_dev_done, 0, 4, 4 + numel), float8_e4m3fn), r.shape), float32)
+        * view.dtype(slice(r_dev_done, 0, 0, 4), float32), r.dtype)
+
 A read is a non-view user of ``hi`` or of a view of it: the backward's views of a saved value
 cost nothing and often sit at its top, so the wait goes before the first node that reads the
 data, and those views move after the wait.

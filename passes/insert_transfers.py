@@ -32,16 +32,19 @@ Backward (each of ``h1..hk`` now holds the host copy; only ``h1`` is read)::
 Under ``offload_format="fp8"`` a storage :func:`~storm_compile.fx.fp8.compresses` crosses
 packed: the forward emits, right after ``offload_after_node``::
 
-    s = clamp_min(convert_element_type(amax(abs(r)), float32) / 448, tiny)   # r's scale
-    q = convert_element_type(convert_element_type(r, float32) / s, float8_e4m3fn)
-    p = cat([view.dtype(view(s, [1]), uint8), view(view.dtype(q, uint8), [-1])])
+    e = clamp_max(clamp_min(ceil(log2(convert_element_type(amax(abs(r)), float32) / 448)),
+                            -127), 127)
+    q = convert_element_type(convert_element_type(r, float32) / exp2(e), float8_e4m3fn)
+    p = cat([view(convert_element_type(e + 127, uint8), [1]),
+             view(view.dtype(q, uint8), [-1])])
     r_host = storm.offload(p, host_limit); ...; storm.wait_event(r_host_ready, p)
 
 and the backward rebuilds ``r`` right after the prefetch's wait, before the views' replays::
 
+    e     = convert_element_type(slice(r_dev_done, 0, 0, 1), float32) - 127
     r_dev = convert_element_type(convert_element_type(view(view.dtype(
-        slice(r_dev_done, 0, 4, 4 + numel), float8_e4m3fn), r.shape), float32)
-        * view.dtype(slice(r_dev_done, 0, 0, 4), float32), r.dtype)
+        slice(r_dev_done, 0, 1, 1 + numel), float8_e4m3fn), r.shape), float32)
+        * exp2(e), r.dtype)
 
 A read is a non-view user of ``hi`` or of a view of it: the backward's views of a saved value
 cost nothing and often sit at its top, so the wait goes before the first node that reads the
@@ -146,18 +149,22 @@ def _chain(graph: fx.Graph, after: fx.Node, calls: Callable[[Callable], fx.Node]
 
 
 def _pack_fp8(x: fx.Node) -> Callable[[Callable], fx.Node]:
-    """``x`` packed as :mod:`storm_compile.fx.fp8` holds it: its float32 scale's bytes, then its
-    values over the scale in fp8, as one flat uint8 tensor."""
+    """``x`` packed as :mod:`storm_compile.fx.fp8` holds it: its scale's biased exponent as a
+    byte, then its values over the scale in fp8, as one flat uint8 tensor."""
     def calls(emit: Callable) -> fx.Node:
-        largest = emit(aten.amax.default, emit(aten.abs.default, x))
-        scale = emit(aten.clamp_min.default, emit(aten.div.Tensor, emit(
-            prims.convert_element_type.default, largest, fp8.SCALE_DTYPE), fp8.FP8_MAX),
-            fp8.MIN_SCALE)
+        largest = emit(prims.convert_element_type.default,
+                       emit(aten.amax.default, emit(aten.abs.default, x)), fp8.SCALE_DTYPE)
+        exponent = emit(aten.clamp_max.default, emit(aten.clamp_min.default, emit(
+            aten.ceil.default, emit(aten.log2.default, emit(aten.div.Tensor, largest,
+                                                           fp8.FP8_MAX))),
+            -fp8.EXPONENT_BIAS), fp8.EXPONENT_BIAS)
         values = emit(prims.convert_element_type.default, emit(
             aten.div.Tensor, emit(prims.convert_element_type.default, x, fp8.SCALE_DTYPE),
-            scale), fp8.FP8)
+            emit(aten.exp2.default, exponent)), fp8.FP8)
+        header = emit(prims.convert_element_type.default,
+                      emit(aten.add.Tensor, exponent, fp8.EXPONENT_BIAS), torch.uint8)
         return emit(aten.cat.default, [
-            emit(aten.view.dtype, emit(aten.view.default, scale, [1]), torch.uint8),
+            emit(aten.view.default, header, [1]),
             emit(aten.view.default, emit(aten.view.dtype, values, torch.uint8), [-1])])
     return calls
 
@@ -165,13 +172,16 @@ def _pack_fp8(x: fx.Node) -> Callable[[Callable], fx.Node]:
 def _unpack_fp8(packed: fx.Node, value: torch.Tensor) -> Callable[[Callable], fx.Node]:
     """The tensor ``value`` describes, rebuilt in its dtype from ``packed`` (:func:`_pack_fp8`)."""
     def calls(emit: Callable) -> fx.Node:
-        scale = emit(aten.view.dtype, emit(aten.slice.Tensor, packed, 0, 0, fp8.SCALE_BYTES),
-                     fp8.SCALE_DTYPE)
+        exponent = emit(aten.sub.Tensor, emit(
+            prims.convert_element_type.default,
+            emit(aten.slice.Tensor, packed, 0, 0, fp8.SCALE_BYTES), fp8.SCALE_DTYPE),
+            fp8.EXPONENT_BIAS)
         values = emit(aten.view.default, emit(aten.view.dtype, emit(
             aten.slice.Tensor, packed, 0, fp8.SCALE_BYTES, fp8.SCALE_BYTES + value.numel()),
             fp8.FP8), list(value.shape))
         return emit(prims.convert_element_type.default, emit(aten.mul.Tensor, emit(
-            prims.convert_element_type.default, values, fp8.SCALE_DTYPE), scale), value.dtype)
+            prims.convert_element_type.default, values, fp8.SCALE_DTYPE),
+            emit(aten.exp2.default, exponent)), value.dtype)
     return calls
 
 

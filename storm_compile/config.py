@@ -220,7 +220,7 @@ class StormConfig:
 
     offload_format: OffloadFormat = None
     """How offloaded activations are held on the host. None: as they are (exact). ``"fp8"``:
-    lossy; a bf16, fp16 or fp32 activation is copied as fp8 values with one float32 scale
+    lossy; a bf16, fp16 or fp32 activation is copied as fp8 values with one power-of-two scale
     (half a bf16's link bytes, a quarter of a float32's) and rebuilt in its dtype in the
     backward, about 2-3 % off each value (:mod:`storm_compile.fx.fp8`); never the default."""
 

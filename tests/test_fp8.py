@@ -24,7 +24,7 @@ def test_which_tensors_compress():
     assert not fp8.compresses(bf16.t(), "fp8")                     # not contiguous
     assert not fp8.compresses(torch.empty(4, 8, dtype=torch.int64), "fp8")
     assert not fp8.compresses(torch.empty(0, dtype=torch.float32), "fp8")
-    assert not fp8.compresses(torch.empty((), dtype=torch.float32), "fp8")    # 5 bytes packed
+    assert not fp8.compresses(torch.empty((), dtype=torch.bfloat16), "fp8")   # 2 bytes packed
     assert fp8.link_bytes(bf16, bf16.nbytes, "fp8") == fp8.SCALE_BYTES + 32
     assert fp8.link_bytes(bf16, bf16.nbytes, None) == bf16.nbytes
 

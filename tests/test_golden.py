@@ -9,8 +9,9 @@ Recompute: under ``memory_budget=0.5`` relu must leave; rebuilding it (``mm`` an
 1 µs each) beats its 10 µs copy, so ``rematerialize`` saves the graph inputs instead and reruns
 both ops in the backward right before their first use.
 
-fp8: the offload case with ``offload_format="fp8"``: the forward packs relu (its float32 scale's
-bytes, then relu over the scale in fp8, one uint8 tensor of 516 bytes) right after relu and
+fp8: the offload case with ``offload_format="fp8"``: the forward packs relu (its power-of-two
+scale's exponent in a byte, then relu over the scale in fp8: one uint8 tensor of 513 bytes) right
+after relu and
 offloads the packed tensor, whose wait now keeps it alive; the backward rebuilds relu in float32
 from the prefetched bytes right after the wait, before the saved view's replays.
 

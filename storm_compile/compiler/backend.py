@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import functools
 import logging
-import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -345,19 +344,16 @@ def _streams(gm: fx.GraphModule) -> bool:
 
 
 def _sent_home(gm: fx.GraphModule, example_inputs: list[Any]) -> list[torch.Tensor]:
-    """The trainable weights ``gm`` streams, each once, last read first: the gradients its
-    backward sends home, in the order it sends them. The backend has the runtime prepare their
+    """The trainable weights ``gm`` streams (graph inputs, as Dynamo passes parameters), each
+    once, last read first: the gradients its backward sends home, in the order it sends them.
+    The backend has the runtime prepare their
     pinned and host buffers while the graph compiles or loads from torch's caches
     (:meth:`~storm_compile.runtime.streams.TransferRuntime.prepare_backward`): a streamed 3B
     Llama's first backward otherwise pinned 197 buffers (6.4 GB) for 2.1 s on the H200 host."""
     values = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
     seen, weights = set(), []
     for node in gm.graph.nodes:
-        if node.target not in STREAMED_READS or not isinstance(node.args[0], fx.Node):
-            continue
-        source = node.args[0]
-        weight = values.get(source) if source.op == "placeholder" else \
-            operator.attrgetter(source.target)(gm) if source.op == "get_attr" else None
+        weight = values.get(node.args[0]) if node.target in STREAMED_READS else None
         if isinstance(weight, torch.Tensor) and weight.requires_grad and id(weight) not in seen:
             seen.add(id(weight))
             weights.append(weight)

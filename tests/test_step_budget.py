@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from helpers import CPU_TEST_OPTIONS
 from storm_compile import StormBackend, StormConfig, storm
 from storm_compile.cli.models import GPTShape, build_gpt
+from storm_compile.compiler import backend
 from storm_compile.config import MemoryBudget
 from storm_compile.cost.simulate import simulate
 from storm_compile.passes import StormBudgetError
@@ -84,14 +85,16 @@ def test_auto_allowance_is_shared_across_the_step():
 
 
 def _runs(step: StepBudget, graph: GraphId, count: int, budget: int = 100,
-          replannable: bool = True) -> tuple[list, list]:
+          streams: bool = False, planned_in: int | None = None) -> tuple[list, list]:
     """``count`` runs of ``graph`` before a backward: the room each was given (None: the
-    graph's own plan) and what releases each."""
+    graph's own plan) and what releases each. A run planned again holds its room, or, for a
+    graph that ``streams`` weights (whose room is a peak), ``planned_in`` bytes."""
     rooms, releases = [], []
     for _ in range(count):
-        room = step.run_room(graph, budget, replannable)
+        room = step.run_room(graph, budget, streams)
         rooms.append(room)
-        planned = step.share(graph).planned_bytes if room is None else room
+        planned = step.share(graph).planned_bytes if room is None \
+            else planned_in if streams else room
         releases.append(step.ran(graph, planned))
     return rooms, releases
 
@@ -143,7 +146,7 @@ def test_runs_that_cannot_fit_at_their_minimum_are_an_error_once_known():
         _backward(_runs(step, FIRST, 2)[1])
     with pytest.raises(StormBudgetError, match="runs 2 times before the backward: at their "
                                                "minimum.* hold 120 bytes"):
-        step.run_room(FIRST, 100, replannable=True)
+        step.run_room(FIRST, 100, streams=False)
 
 
 def test_the_other_graphs_plans_come_first():
@@ -155,35 +158,41 @@ def test_the_other_graphs_plans_come_first():
     assert _runs(step, FIRST, 2)[0] == [35, 35]
 
 
-def test_a_graph_planned_for_one_run_raises_at_the_run_that_takes_the_step_over():
+def test_a_streamed_graphs_next_run_is_planned_for_the_peak_the_step_leaves():
     step = StepBudget()
-    step.record(FIRST, _share(100, 0, 40))
-    _runs(step, FIRST, 2, replannable=False)          # two runs hold 80 of 100
-    with pytest.raises(StormBudgetError, match="runs 3 times before the backward") as caught:
-        step.run_room(FIRST, 100, replannable=False)
+    step.record(FIRST, dataclasses.replace(_share(100, 5, 40), resident_bytes=30))
+    # Its own plan serves the first run; the next ones may peak at what the held runs leave
+    # (its resident weights are its plans' own, never counted twice).
+    assert _runs(step, FIRST, 3, streams=True, planned_in=20)[0] == [None, 60, 40]
+
+
+def test_a_streamed_graphs_run_that_no_room_is_left_for_names_the_causes():
+    step = StepBudget()
+    step.record(FIRST, _share(100, 0, 60))
+    _runs(step, FIRST, 2, streams=True, planned_in=40)          # two runs hold 100 of 100
+    with pytest.raises(StormBudgetError, match="runs again before the backward") as caught:
+        step.run_room(FIRST, 100, streams=True)
     for cause in ("identical blocks", "several forwards before one backward",
                   "run validation under torch.no_grad()"):
         assert cause in str(caught.value)
 
 
-def test_a_run_released_by_its_backward_no_longer_counts():
+def test_a_streamed_run_released_by_its_backward_no_longer_counts():
     step = StepBudget()
     step.record(FIRST, _share(100, 0, 60))
-    rooms, releases = _runs(step, FIRST, 1, replannable=False)
+    rooms, releases = _runs(step, FIRST, 1, streams=True)
     releases[0]()
     releases[0]()                        # its backward started and its graph is gone: once
-    _backward(_runs(step, FIRST, 1, replannable=False)[1])
-    _runs(step, FIRST, 1, replannable=False)    # gradient accumulation: one run per backward
-    with pytest.raises(StormBudgetError, match="runs 2 times"):
-        step.run_room(FIRST, 100, replannable=False)
+    _backward(_runs(step, FIRST, 1, streams=True)[1])
+    # Gradient accumulation, one run per backward: its own plan, every time.
+    assert _runs(step, FIRST, 1, streams=True)[0] == [None]
 
 
-def test_resident_weights_count_once_however_many_runs():
+def test_a_streamed_graphs_first_run_leaves_the_runs_the_last_step_made_their_minimum():
     step = StepBudget()
-    step.record(FIRST, dataclasses.replace(_share(100, 0, 10), resident_bytes=70))
-    _runs(step, FIRST, 3, replannable=False)          # 3 × 10 + 70
-    with pytest.raises(StormBudgetError):
-        step.run_room(FIRST, 100, replannable=False)
+    step.record(FIRST, _share(100, 10, 60))
+    _backward(_runs(step, FIRST, 3, streams=True, planned_in=15)[1])
+    assert _runs(step, FIRST, 3, streams=True, planned_in=15)[0] == [80, 85, 70]
 
 
 BLOCKS_SHAPE = GPTShape(d_model=64, layers=4, heads=4, seq=32, batch=2, dtype="float32")
@@ -493,3 +502,15 @@ def test_the_passes_return_the_graphs_share_and_only_the_pipeline_records_it():
     assert isinstance(backend.ctx.others, StepView)
     assert not any(isinstance(getattr(backend.ctx, f.name), StepBudget)
                    for f in dataclasses.fields(backend.ctx))
+
+
+def test_a_streamed_run_no_plan_fits_is_the_steps_budget_error():
+    def replan(room: int):
+        raise StormBudgetError(f"the least predicted peak is {room + 1} bytes")
+
+    with pytest.raises(StormBudgetError, match="memory_budget 100 bytes .* is the step's.* runs "
+                                               "again before the backward: beside the 40 bytes"
+                                               ".* least predicted peak is 61 bytes"):
+        backend._replanned(replan, 60, 100, streams=True)
+    with pytest.raises(StormBudgetError, match="^the least predicted peak is 61 bytes$"):
+        backend._replanned(replan, 60, 100, streams=False)

@@ -521,6 +521,31 @@ def test_a_byte_budget_below_the_weights_names_the_largest():
     assert weights.largest.name in str(error)
 
 
+def test_a_streamed_graph_run_twice_before_its_backward_is_planned_again_for_what_is_left():
+    """A siamese-style step (two forwards, one backward) under the byte budget one run's plan
+    fills: the second run is planned again for the device peak the first run's activations
+    leave, each room compiled once, and the gradients are the unstreamed model's."""
+    peak, _ = _unbudgeted_device_peak()
+    reference, model, (tokens, targets) = _pair()
+    captured = []
+    config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, "offload": "hidden",
+                                         "recompute": True, "memory_budget": f"{peak}B"})
+    run = torch.compile(model, backend=StormBackend(config, observer=captured.append))
+    compiled = []
+    for _ in range(STEPS):
+        (run(tokens, targets) + run(tokens, targets)).backward()
+        (reference(tokens, targets) + reference(tokens, targets)).backward()
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, expected.grad, msg=name)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        compiled.append(len(captured))
+    first, second = captured[:2]
+    assert first.share.planned_bytes + device_bytes(second, simulate(second, cost_model())) \
+        <= peak
+    assert compiled[-1] == compiled[-2], "a room seen before is not compiled again"
+
+
 def test_host_adder_sets_then_adds_and_reuses_its_buffer_after_zero_grad():
     adder = HostAdder()
     weight = torch.zeros(3, requires_grad=True)

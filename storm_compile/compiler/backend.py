@@ -47,7 +47,7 @@ from storm_compile.fx.torch_private import (
 )
 from storm_compile.fx.vocabulary import is_transfer
 from storm_compile.planner import plan_cache
-from storm_compile.planner.step_budget import GraphId, StepBudget
+from storm_compile.planner.step_budget import GraphId, StepBudget, StormBudgetError, runs_over
 from storm_compile.runtime import ops
 from storm_compile.runtime.ranks import rank_key
 from storm_compile.runtime.streams import get_runtime
@@ -200,8 +200,7 @@ class StormBackend:
         if streams and _needs_backward(example_inputs):
             get_runtime().prepare_backward(_sent_home(gm, example_inputs),
                                            self.config.host_memory_limit)
-        replannable = budget.nbytes is not None and not streams
-        original = _graph_copy(gm) if replannable else None
+        original = _graph_copy(gm) if budget.nbytes is not None else None
         self._prepare(gm, example_inputs, graph)
         compiled = self._compile(gm, example_inputs)
         if step.last == recorded and self.partitioner.record_key is not None:
@@ -214,15 +213,16 @@ class StormBackend:
             return compiled
         replan = None if original is None else functools.partial(
             self._planned_for, original, example_inputs, TracingContext.try_get())
-        return _counting_runs(compiled, step, step.last, budget.nbytes, replan)
+        return _counting_runs(compiled, step, step.last, budget.nbytes, replan, streams)
 
     def _planned_for(self, gm: fx.GraphModule, example_inputs: list[Any], context: Any,
                      room: int) -> tuple[Callable, int]:
-        """``gm`` (dynamo's graph, as it came) compiled for one run holding at most ``room``
-        bytes of activations beside nothing else, and the activation bytes that plan holds: a
-        run :meth:`StepBudget.run_room` asked to plan again. It compiles in dynamo's tracing
-        ``context`` of the first compile (its fake tensors' shape environment, which the
-        caches key on), and its own ledger never joins the step's."""
+        """``gm`` (dynamo's graph, as it came) compiled for one run under a byte budget of
+        ``room`` alone (activations held; for a graph that streams weights, its device peak),
+        and the activation bytes that plan holds: a run :meth:`StepBudget.run_room` asked to
+        plan again. It compiles in dynamo's tracing ``context`` of the first compile (its fake
+        tensors' shape environment, which the caches key on), and its own ledger never joins
+        the step's."""
         config = dataclasses.replace(self.config, memory_budget=MemoryBudget(nbytes=room))
         backend = StormBackend(config, self.observer, self.cost_override)
         fresh = _graph_copy(gm)
@@ -305,22 +305,24 @@ class StormBackend:
 
 
 def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int | None,
-                   replan: Callable[[int], tuple[Callable, int]] | None) -> Callable:
+                   replan: Callable[[int], tuple[Callable, int]] | None,
+                   streams: bool) -> Callable:
     """``compiled``, telling ``step`` of each run that autograd will take a backward through
     (:meth:`StepBudget.ran`: which graphs a step runs, and what each run holds) and releasing
     the run when its backward starts or its autograd graph is freed unused. Under a byte
     ``budget`` a run the ledger asks to plan again (:meth:`StepBudget.run_room`: the graph runs
-    several times before a backward) runs ``replan(room)``'s graph, compiled once per room;
-    ``replan`` is None for a graph planned for one run only (it streams weights)."""
+    several times before a backward) runs ``replan(room)``'s graph, compiled once per room: for
+    a graph that ``streams`` weights, the room is the device peak the run may reach beside what
+    the step holds, and a run no plan fits there raises :class:`StormBudgetError` saying so."""
     variants: dict[int, tuple[Callable, int]] = {}
 
     def run(*args: Any) -> Any:
         chosen, planned = compiled, step.share(graph).planned_bytes
         if budget is not None and torch.is_grad_enabled():
-            room = step.run_room(graph, budget, replannable=replan is not None)
+            room = step.run_room(graph, budget, streams)
             if room is not None:
                 if room not in variants:
-                    variants[room] = replan(room)
+                    variants[room] = _replanned(replan, room, budget, streams)
                 chosen, planned = variants[room]
         outputs = chosen(*args)
         if not torch.is_grad_enabled():
@@ -336,6 +338,18 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
     if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True
     return run
+
+
+def _replanned(replan: Callable[[int], tuple[Callable, int]], room: int, budget: int,
+               streams: bool) -> tuple[Callable, int]:
+    """``replan(room)``; for a graph that streams weights, a room no plan fits is the step's
+    budget error, naming the runs that took the rest of the budget."""
+    try:
+        return replan(room)
+    except StormBudgetError as error:
+        if not streams:
+            raise
+        raise StormBudgetError(f"{runs_over(budget, budget - room)} {error}") from error
 
 
 def _streams(gm: fx.GraphModule) -> bool:

@@ -46,8 +46,9 @@ must be planned for (the backend compiles the graph once more for it,
   graphs' minimums do not fit, the budget is infeasible (:class:`StormBudgetError`).
 
 A fraction budget, or ``"auto"``, holds for every run alike. A graph that streams weights bounds
-its device peak, weights included, and is not planned again per run: a run over the budget raises
-:class:`StormBudgetError`.
+its device peak, weights included: a run of it beside what the step holds is planned for the peak
+the budget leaves it (the first run of a step known to make ``k`` leaves the others their
+minimum), and a run with no room left raises :class:`StormBudgetError`.
 """
 
 from __future__ import annotations
@@ -228,12 +229,12 @@ class StepBudget:
         """Shares of the other graphs of ``graph``'s step (:meth:`_other_shares`)."""
         return list(self._other_shares(graph).values())
 
-    def run_room(self, graph: GraphId, budget: int, replannable: bool) -> int | None:
-        """The activation memory the next run of the recorded ``graph`` must be planned for
-        under a byte ``budget``, or None when the graph's own plan serves it (see the module
-        docstring). ``replannable`` is False for a graph that is not planned again per run (it
-        streams weights): a run that takes the step over the budget raises
-        :class:`StormBudgetError`."""
+    def run_room(self, graph: GraphId, budget: int, streams: bool) -> int | None:
+        """What the next run of the recorded ``graph`` must be planned for under a byte
+        ``budget``, or None when the graph's own plan serves it (see the module docstring): the
+        activation memory the run may hold, or, for a graph that ``streams`` weights (whose
+        plans bound their device peak, weights included), the device peak it may reach beside
+        what the step holds."""
         share, runs = self._shares[graph], self._runs.get(graph, [])
         learned = 0 if self._before is None else self._before.count(graph)
         if not runs and learned < 2:
@@ -243,11 +244,9 @@ class StepBudget:
         held = resident + sum(runs) + sum(
             sum(self._runs[key]) if self._runs.get(key) else s.planned_bytes
             for key, s in others.items())
-        if not replannable:
-            if held + share.planned_bytes > budget:
-                raise self._runs_over(budget, len(runs) + 1, share.planned_bytes,
-                                      held + share.planned_bytes)
-            return None
+        if streams:
+            return self._peak_room(share, budget, len(runs), learned,
+                                   held - share.resident_bytes)
         if len(runs) >= learned:
             if held + share.planned_bytes <= budget:
                 return None
@@ -285,18 +284,21 @@ class StepBudget:
             f"{cause}", RuntimeWarning, stacklevel=3)
 
     @staticmethod
-    def _runs_over(budget: int, runs: int, planned: int, held: int) -> StormBudgetError:
-        return StormBudgetError(
-            f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one of "
-            f"its compiled graphs, which streams weights and is planned for one run, runs "
-            f"{runs} times before the backward: at {planned} bytes ({planned / GIB:.3f} GiB) "
-            f"a run, the step would hold {held} bytes ({held / GIB:.3f} GiB). A graph runs "
-            f"several times before a backward when identical blocks compile to one graph, when "
-            f"a step makes several forwards before one backward (a siamese or GAN step), or "
-            f"when an earlier forward's outputs still hold its autograd graph (a validation "
-            f"loss kept with grad enabled: run validation under torch.no_grad(), or keep "
-            f"loss.item()). Give memory_budget as a fraction (such as 0.5), which holds for "
-            f"every run, or in bytes divided by the runs")
+    def _peak_room(share: GraphShare, budget: int, runs: int, learned: int,
+                   beside: int) -> int | None:
+        """The device peak a run of a graph that streams weights may reach, with ``runs`` of
+        it and ``beside`` bytes of the step's other holdings (its other graphs' activations and
+        resident weights) already held; None when nothing is (its own plan serves). The first
+        run of a step known to make ``learned`` of them also leaves the later runs their
+        minimum."""
+        if runs == 0:
+            beside += (learned - 1) * share.minimum_bytes
+        if beside == 0:
+            return None
+        if beside >= budget:
+            raise StormBudgetError(runs_over(budget, beside))
+        return budget - beside
+
 
     def ran(self, graph: GraphId, planned_bytes: int) -> Callable[[], None]:
         """``graph`` ran a forward whose backward is still to come, holding ``planned_bytes``
@@ -343,3 +345,17 @@ class StepBudget:
             f"were planned before this one existed and took the room; a fraction budget "
             f"(such as 0.5) shares the step between its graphs as they arrive",
             RuntimeWarning, stacklevel=2)
+
+
+def runs_over(budget: int, held: int) -> str:
+    """Why a run of a graph that streams weights does not fit beside the ``held`` bytes the
+    step holds: the step's ``budget`` and what makes a graph run again before a backward."""
+    return (f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one of "
+            f"its compiled graphs, which streams weights, runs again before the backward: "
+            f"beside the {held} bytes ({held / GIB:.3f} GiB) the step holds, no plan of that "
+            f"run fits. A graph runs several times before a backward when "
+            f"identical blocks compile to one graph, when a step makes several forwards before "
+            f"one backward (a siamese or GAN step), or when an earlier forward's outputs still "
+            f"hold its autograd graph (a validation loss kept with grad enabled: run validation "
+            f"under torch.no_grad(), or keep loss.item()). Raise memory_budget, or make fewer "
+            f"forwards per backward")

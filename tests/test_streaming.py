@@ -611,8 +611,8 @@ def test_host_adder_steps_a_parameter_after_its_last_addition_and_the_join():
     adder.add(torch.ones(2), first, copies[0], step)
     adder.add(torch.ones(2), second, copies[1], step)
     adder.add(torch.full((2,), 2.0), first, copies[2], step)
-    for copy in copies:
-        copy.done.set()
+    for pending in copies:
+        pending.done.set()
     time.sleep(WORKER_SETTLE_S)
     assert seen == [], "no step before the backward is launched (join)"
     adder.join()

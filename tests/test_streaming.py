@@ -546,6 +546,32 @@ def test_a_streamed_graph_run_twice_before_its_backward_is_planned_again_for_wha
     assert compiled[-1] == compiled[-2], "a room seen before is not compiled again"
 
 
+@pytest.mark.gpu
+def test_a_streamed_graph_run_twice_before_its_backward_trains_on_the_gpu():
+    """The step above on the GPU's streams, under the byte budget the first run's plan fills
+    there: at every step the gradients of the resident model under torch.compile."""
+    torch.manual_seed(0)
+    reference, (tokens, targets) = build_llama(SHAPE, device="cuda")
+    model = copy.deepcopy(reference).cpu()
+    stream_parameters(model, "cuda", resident_bytes=RESIDENT_BYTES)
+    captured = []
+    probe = StormBackend(StormConfig.from_options(min_offload_bytes=0), observer=captured.append)
+    torch.compile(model, backend=probe)(tokens, targets).backward()
+    budget = device_bytes(captured[0], simulate(captured[0], probe.ctx.cost))
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=storm(min_offload_bytes=0, memory_budget=f"{budget}B"))
+    compiled = torch.compile(reference, backend="inductor")
+    flipped = tokens.flip(0), targets.flip(0)
+    for _ in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        (run(tokens, targets) + run(*flipped)).backward()
+        (compiled(tokens, targets) + compiled(*flipped)).backward()
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(param.grad, expected.grad.cpu(), rtol=1e-4, atol=1e-4,
+                                       msg=name)
+
+
 def test_host_adder_sets_then_adds_and_reuses_its_buffer_after_zero_grad():
     adder = HostAdder()
     weight = torch.zeros(3, requires_grad=True)

@@ -299,7 +299,6 @@ class StepBudget:
             raise StormBudgetError(runs_over(budget, beside))
         return budget - beside
 
-
     def ran(self, graph: GraphId, planned_bytes: int) -> Callable[[], None]:
         """``graph`` ran a forward whose backward is still to come, holding ``planned_bytes``
         of activations. Returns what to call once the run's backward starts or its autograd

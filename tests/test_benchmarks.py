@@ -205,7 +205,7 @@ def test_zoo_memory_failing_method_is_reported_and_run_continues(tmp_path, monke
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
 @pytest.mark.parametrize("module", ["zoo_memory", "training_loop", "compile_time",
-                                    "step_overhead", "pinning"])
+                                    "step_overhead", "pinning", "op_costs"])
 def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
     import importlib
 
@@ -213,6 +213,26 @@ def test_gpu_benchmarks_exit_2_without_cuda(module, capsys):
     assert main([]) == activation_memory.EXIT_NO_CUDA
     err = capsys.readouterr().err
     assert "no CUDA device" in err and len(err.strip().splitlines()) == 1
+
+
+def test_op_costs_smoke_prices_and_times_each_class_the_model_has(tmp_path):
+    """The U-Net's convolutions and GroupNorms each make a row, per model and over all of
+    them, with every node the roofline priced timed on the device (the CPU here)."""
+    from benchmarks import op_costs
+
+    assert op_costs.main(["--smoke", "--out", str(tmp_path)]) == 0
+    models = json.loads((tmp_path / "results.json").read_text())["models"]
+    assert list(models) == ["unet", "all"]
+    rows = {r["class"]: r for r in models["unet"]}
+    assert {"convolution", "normalisation"} <= set(rows) <= {*op_costs.CLASSES, "other"}
+    for name in ("convolution", "normalisation"):
+        row = rows[name]
+        assert row["timed"] == row["nodes"] > 0
+        assert row["predicted_ms"] > 0 and row["measured_ms"] > 0
+        assert row["predicted_over_measured"] == pytest.approx(
+            row["predicted_ms"] / row["measured_ms"])
+    assert models["all"] == models["unet"]
+    assert "| unet " in (tmp_path / "results.md").read_text()
 
 
 def test_step_overhead_smoke_measures_both_backends_and_every_transfer_op(tmp_path):

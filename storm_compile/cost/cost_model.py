@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -169,7 +170,8 @@ MEASURE_REPEATS = 5
 
 
 class MeasuredCosts:
-    """A ``CostModel`` override that times each distinct non-fusible op once on the GPU.
+    """A ``CostModel`` override that times each distinct non-fusible op once on ``device`` (the
+    GPU; the CPU for ``benchmarks.op_costs``' smoke run).
 
     It runs inside AOTAutograd's partitioner, where a fake-tensor mode is active; the timing
     steps out of it so the op really runs.
@@ -207,19 +209,26 @@ class MeasuredCosts:
         kwargs = {k: self._real(_value(v)) for k, v in node.kwargs.items()}
         try:
             node.target(*args, **kwargs)
-            times = []
-            for _ in range(MEASURE_REPEATS):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                node.target(*args, **kwargs)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end) / MS)
+            times = [self._elapsed(node.target, args, kwargs) for _ in range(MEASURE_REPEATS)]
         except (RuntimeError, TypeError, ValueError) as error:
             log.debug("storm: could not time %s (%s); using the roofline", node.target, error)
             return None
         return sorted(times)[len(times) // 2]
+
+    def _elapsed(self, target: Callable, args: list, kwargs: dict) -> float:
+        """Seconds of one call: between CUDA events on a GPU, by the host's clock on the CPU
+        (where a call returns when its work is done)."""
+        if self.device.type != "cuda":
+            begin = time.perf_counter()
+            target(*args, **kwargs)
+            return time.perf_counter() - begin
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        target(*args, **kwargs)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / MS
 
 
 class CostModel:

@@ -1,8 +1,8 @@
 """Where the cost model's roofline misses, by op class.
 
 Each zoo model (``benchmarks.model_zoo``) runs one forward and backward under storm at its
-defaults, its graphs run as captured (``inner="eager"``: no Inductor compile), and storm's
-observer keeps them. Every node of those graphs that computes and that Inductor does not fuse
+defaults, compiled by Inductor, and storm's observer keeps its graphs as it planned them (after
+Inductor's decompositions). Every node of those graphs that computes and that Inductor does not fuse
 (matrix products, convolutions, attention, normalisations it keeps whole, and the other kernels
 it calls as they are: an embedding's backward, scatters, sorts) is priced twice: by the roofline
 on the device's profile (what storm plans with at its default ``cost="roofline"``) and timed alone
@@ -17,6 +17,9 @@ model.
 
     python -m benchmarks.op_costs --out DIR                   # cuda, bf16, the zoo's bench sizes
     python -m benchmarks.op_costs --smoke --out DIR           # CPU, tiny sizes, fp32: the harness
+
+``--smoke`` runs the graphs as captured (``inner="eager"``: no code generation, and so none of
+Inductor's decompositions: normalisations stay whole there) and times on the CPU.
 
 Writes ``results.md`` (tabulate) and ``results.json`` after every model.
 """
@@ -128,7 +131,7 @@ def measure_model(name: str, smoke: bool) -> list[Priced]:
     torch.manual_seed(0)
     case = model_zoo.build(name, "tiny" if smoke else "bench", "cuda" if cuda else "cpu",
                            torch.float32 if smoke else torch.bfloat16)
-    config = StormConfig.from_options(inner="eager")
+    config = StormConfig.from_options(**({"inner": "eager"} if smoke else {}))
     captured: list = []
     backend = StormBackend(config, observer=captured.append)
     run = torch.compile(case.model, backend=backend)

@@ -96,7 +96,6 @@ import torch
 from torch import fx
 
 from storm_compile.fx import fp8
-
 from storm_compile.fx.graphs import (
     PassContext,
     StormGraphs,

@@ -36,6 +36,7 @@ from storm_compile.passes import (
     sum_tied_gradients,
     verify_graphs,
 )
+from storm_compile.planner.step_budget import StepBudget
 from storm_compile.runtime import ops
 from storm_compile.runtime.streams import HostAdder, PinnedPool, bucket_bytes, get_runtime
 from storm_compile.weights import streaming
@@ -545,6 +546,22 @@ def test_a_streamed_graph_run_twice_before_its_backward_is_planned_again_for_wha
         <= peak
     assert compiled[-1] == compiled[-2], "a room seen before is not compiled again"
 
+
+
+def test_a_later_run_no_plan_fits_raises_the_budget_error_at_its_call(monkeypatch):
+    """A run planned again for less room than the graph's weights need: its call raises
+    ``StormBudgetError`` itself (dynamo compiled the graph long before), naming the causes."""
+    peak, _ = _unbudgeted_device_peak()
+    _, model, (tokens, targets) = _pair()
+    monkeypatch.setattr(StepBudget, "_peak_room", staticmethod(lambda *args: 1))
+    config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, "offload": "hidden",
+                                         "recompute": True, "memory_budget": f"{peak}B"})
+    run = torch.compile(model, backend=StormBackend(config))
+    first = run(tokens, targets)
+    with pytest.raises(StormBudgetError, match="runs again before the backward") as caught:
+        run(tokens, targets)
+    assert "siamese or GAN step" in str(caught.value)
+    first.backward()
 
 @pytest.mark.gpu
 def test_a_streamed_graph_run_twice_before_its_backward_trains_on_the_gpu():

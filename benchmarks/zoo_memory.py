@@ -2,13 +2,17 @@
 
 For every zoo model (``bench`` size, bf16 parameters, cuda) and every method (``compile``:
 Inductor, the reference; ``storm``: storm's defaults; ``storm-budget-0.5``:
-``memory_budget=0.5``): a fresh model from the same seed and ``torch._dynamo.reset()``, warm-up
-steps, then fw+bw steps timed with CUDA events (median), activation memory (allocated at the end
-of the forward minus before it: what the step holds for the backward), the step's peak above the
-same baseline (after ``reset_peak_memory_stats``) and the largest relative gradient error
-against ``compile``. A method that fails records its error in its row and the run goes on.
+``memory_budget=0.5``; ``storm-peak-F``: a byte budget of ``F`` times the device memory
+allocated at ``compile``'s peak, which a byte budget bounds): a fresh model from the same seed
+and ``torch._dynamo.reset()``, warm-up steps, then fw+bw steps timed with CUDA events
+(median), activation memory (allocated at the end of the forward minus before it: what the step
+holds for the backward), the step's peak above the same baseline and the device memory
+allocated at the peak (after ``reset_peak_memory_stats``), and the largest relative gradient
+error against ``compile``. A method that fails records its error in its row and the run goes
+on.
 
     python -m benchmarks.zoo_memory --out DIR [--models llama,gpt2] [--steps 10]
+    python -m benchmarks.zoo_memory --methods compile,storm-peak-0.75 --out DIR
     python -m benchmarks.zoo_memory --smoke --out DIR     # CPU, tiny sizes: the harness itself
 
 Writes ``results.md`` (one tabulate table, model × method) and ``results.json``.
@@ -36,9 +40,15 @@ from storm_compile import storm
 from storm_compile.config import PRESETS
 
 REFERENCE = "compile"
-METHODS = (REFERENCE, "storm", "storm-budget-0.5")
-"""Inductor, then the storm presets of :data:`storm_compile.config.PRESETS` measured
-here."""
+PEAK_FRACTIONS = (0.9, 0.75)
+"""Byte budgets measured, as fractions of the device memory allocated at ``compile``'s peak."""
+PEAK_METHOD = "storm-peak-"
+METHODS = (REFERENCE, "storm", "storm-budget-0.5",
+           *(f"{PEAK_METHOD}{fraction}" for fraction in PEAK_FRACTIONS))
+"""Inductor, the storm presets of :data:`storm_compile.config.PRESETS` measured here, and the
+byte budgets of :data:`PEAK_FRACTIONS`."""
+SMOKE_METHODS = METHODS[:3]
+"""What ``--smoke`` measures by default: the CPU has no peak to take a byte budget from."""
 MODEL_SEED = 0
 """Every method's model is built after this seed: the same weights for all."""
 DATA_SEED = 1
@@ -47,12 +57,24 @@ STEP_SEED = 2
 """Set before each step, so random ops (dropout) draw the same numbers under every method."""
 
 
-def wrap(method: str, model: nn.Module, storm_options: dict | None = None) -> Callable:
-    """``model`` compiled by ``method``: Inductor, or the storm preset of that name with
-    ``storm_options`` on top."""
+def budget_bytes(method: str, reference_peak: int | None) -> int | None:
+    """The byte budget of a ``storm-peak-F`` method: ``F`` times ``reference_peak`` (None for
+    the other methods)."""
+    if not method.startswith(PEAK_METHOD):
+        return None
+    if reference_peak is None:
+        raise ValueError(f"{method} needs {REFERENCE}'s peak: measure {REFERENCE} first")
+    return int(float(method.removeprefix(PEAK_METHOD)) * reference_peak)
+
+
+def wrap(method: str, model: nn.Module, storm_options: dict | None = None,
+         budget: int | None = None) -> Callable:
+    """``model`` compiled by ``method``: Inductor, the storm preset of that name, or a byte
+    ``budget``, with ``storm_options`` on top."""
     if method == REFERENCE:
         return torch.compile(model)
-    return torch.compile(model, backend=storm(**{**PRESETS[method], **(storm_options or {})}))
+    options = {"memory_budget": f"{budget}B"} if budget is not None else PRESETS[method]
+    return torch.compile(model, backend=storm(**{**options, **(storm_options or {})}))
 
 
 def _zero_grads(model: nn.Module) -> None:
@@ -67,13 +89,16 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters() if p.requires_grad}
 
 
-def run_method(name: str, method: str, dev: _Device, args, reference: dict | None) -> dict:
-    """Measure one method on one zoo model; its gradients go in ``"grads"`` for the reference."""
+def run_method(name: str, method: str, dev: _Device, args, reference: dict | None,
+               reference_peak: int | None = None) -> dict:
+    """Measure one method on one zoo model; its gradients go in ``"grads"`` for the reference,
+    the device memory allocated at its peak in ``"allocated_peak"``."""
     torch._dynamo.reset()
     torch.manual_seed(MODEL_SEED)
     case = model_zoo.build(name, args.size, device=args.device, dtype=args.dtype)
     inputs = case.batch(DATA_SEED)
-    run = wrap(method, case.model, None if dev.cuda else CPU_STORM_OPTIONS)
+    budget = budget_bytes(method, reference_peak)
+    run = wrap(method, case.model, None if dev.cuda else CPU_STORM_OPTIONS, budget)
     held: dict[str, int | None] = {}
 
     def step() -> None:
@@ -98,6 +123,7 @@ def run_method(name: str, method: str, dev: _Device, args, reference: dict | Non
             step()
     row = {"model": name, "method": method, "step_ms": statistics.median(times),
            "activation_gib": _gib(held["activation"]), "peak_gib": _gib(peak),
+           "allocated_peak": dev.peak(), "budget_gib": _gib(budget),
            "grads": _grads(case.model)}
     if reference is not None:
         row["grad_rel_error"] = _grad_error(row["grads"], reference)
@@ -105,13 +131,13 @@ def run_method(name: str, method: str, dev: _Device, args, reference: dict | Non
 
 
 def run_model(name: str, dev: _Device, args) -> list[dict]:
-    rows, reference = [], None
-    for method in METHODS:
+    rows, reference, reference_peak = [], None, None
+    for method in args.methods:
         try:
-            row = run_method(name, method, dev, args, reference)
+            row = run_method(name, method, dev, args, reference, reference_peak)
             grads = row.pop("grads")
             if method == REFERENCE:
-                reference = grads
+                reference, reference_peak = grads, row["allocated_peak"]
         except Exception as error:  # a failing method is reported in its row; the run goes on
             row = {"model": name, "method": method, "error": error_line(error)}
         finally:
@@ -121,6 +147,12 @@ def run_model(name: str, dev: _Device, args) -> list[dict]:
         rows.append(row)
         print(f"[{name}] {method}: {row.get('error') or '%.2f ms' % row['step_ms']}", flush=True)
     return rows
+
+
+def _within(row: dict) -> str:
+    if row["budget_gib"] is None or row["allocated_peak"] is None:
+        return ""
+    return "yes" if _gib(row["allocated_peak"]) <= row["budget_gib"] else "no"
 
 
 def _peak_above_reference(row: dict, ref: dict) -> str:
@@ -142,6 +174,8 @@ def markdown(rows: list[dict]) -> str:
             "step × compile": _ratio(r["step_ms"], ref.get("step_ms")),
             "act GiB": r["activation_gib"], "peak GiB": r["peak_gib"],
             "peak > compile": _peak_above_reference(r, ref),
+            "allocated at peak GiB": _gib(r["allocated_peak"]),
+            "budget GiB": r["budget_gib"], "within budget": _within(r),
             "grad err": r.get("grad_rel_error"),
         })
     return tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g",
@@ -152,13 +186,22 @@ def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(model_zoo.ZOO_NAMES),
                         help=f"comma-separated, from {', '.join(model_zoo.ZOO_NAMES)}")
+    parser.add_argument("--methods", default=None,
+                        help=f"comma-separated, from {', '.join(METHODS)} ({REFERENCE} first "
+                             f"where a {PEAK_METHOD}F method is measured); default: all "
+                             f"(with --smoke, {', '.join(SMOKE_METHODS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, tiny sizes, fp32, one warm-up and two timed steps")
     parser.add_argument("--out", type=Path, default=Path("bench-out/zoo"))
     args = parser.parse_args(argv)
+    default = SMOKE_METHODS if args.smoke else METHODS
     args.models = args.models.split(",")
+    args.methods = list(default) if args.methods is None else args.methods.split(",")
+    if set(args.methods) - set(METHODS):
+        parser.error(f"unknown method(s) {sorted(set(args.methods) - set(METHODS))}; "
+                     f"known: {', '.join(METHODS)}")
     unknown = [m for m in args.models if m not in model_zoo.ZOO_NAMES]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {', '.join(model_zoo.ZOO_NAMES)}")

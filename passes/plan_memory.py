@@ -44,13 +44,14 @@ cannot take what must leave the device, ``StormBudgetError`` names ``host_memory
 pinned host bytes); the pass reads the step's other graphs only through ``ctx.others``
 (:class:`~storm_compile.planner.step_budget.StepView`), never writes the step's ledger, and
 raises ``StormBudgetError`` (a ``ValueError``) only when a byte budget is below the step's
-minimum. In a graph that streams weights (:mod:`storm_compile.weights.streaming`) a byte
-budget first pays for the weights the device holds
-(:class:`~storm_compile.weights.streaming.DeviceWeights`: resident inputs, the prefetch window,
-the largest streamed weight) and the rest, less the baseline's peak above its saved
-activations (the backward's working set: the loss's logits and their gradient, gradients in
-flight), bounds activations; a budget below that plus the
-activations that cannot move raises ``StormBudgetError`` naming the largest weight. Graphs with
+minimum. A byte budget bounds the device peak: it first pays for what the graph holds there
+besides activations (:class:`~storm_compile.weights.streaming.DeviceWeights`: its inputs on
+the device, and in a graph that streams weights the prefetch window and the largest streamed
+weight), and the rest, less the baseline's peak above its saved activations (the backward's
+working set: the loss's logits and their gradient, the gradients it returns), bounds
+activations; a budget below those plus the step's activations that cannot move raises
+``StormBudgetError`` naming them. ``graphs.share.fixed_bytes`` records the inputs and the
+working set. Graphs with
 no tensor where storm plans (CPU-only, without ``transfer_cpu_tensors``) are planned as without
 a budget.
 Emits: no nodes; only decisions change.
@@ -67,7 +68,6 @@ import warnings
 import torch
 from torch import fx
 
-from storm_compile.config import MemoryBudget
 from storm_compile.cost.placement import place
 from storm_compile.cost.simulate import simulate
 from storm_compile.fx.graphs import COST_KEY, PassContext, StormGraphs, saved_values
@@ -83,7 +83,7 @@ from storm_compile.fx.plan import (
 )
 from storm_compile.fx.prediction import Prediction
 from storm_compile.fx.torch_private import OpOverload
-from storm_compile.fx.vocabulary import GIB, Lane, makes_choice, view_chain
+from storm_compile.fx.vocabulary import Lane, makes_choice, view_chain
 from storm_compile.planner.step_budget import GraphShare, StormBudgetError
 from storm_compile.runtime.streams import bucket_bytes
 from storm_compile.weights.streaming import device_weights
@@ -441,21 +441,19 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
         return _Target(Goal.BYTES, minimum)
     if budget.auto:
         return _Target(Goal.AUTO)
-    weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
-    if budget.nbytes is not None and weights is not None:
-        if budget.nbytes < weights.nbytes + minimum:
-            raise StormBudgetError(
-                f"memory_budget {budget.nbytes} bytes ({budget.nbytes / GIB:.3f} GiB) is below "
-                f"the minimum "
-                f"for this streamed model, {weights.nbytes + minimum} bytes "
-                f"({(weights.nbytes + minimum) / GIB:.3f} GiB): the device must hold "
-                f"{weights.describe()}, and {minimum} bytes of activations that cannot move")
-        budget = MemoryBudget(nbytes=budget.nbytes - weights.nbytes)
-    aim = ctx.others.target_bytes(budget, baseline.activation_bytes, minimum)
-    if weights is None or budget.nbytes is None:     # a fraction bounds activations only
+    if budget.nbytes is None:                        # a fraction bounds activations only
+        aim = ctx.others.target_bytes(budget, baseline.activation_bytes, minimum)
         return _Target(Goal.BYTES, aim.nbytes, aim.over_bytes)
-    working = max(0, baseline.peak_bytes - baseline.activation_bytes)
-    return _Target(Goal.BYTES, max(minimum, aim.nbytes - working), aim.over_bytes)
+    weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
+    aim = ctx.others.target_bytes(budget, baseline.activation_bytes, minimum, weights.nbytes,
+                                  working_bytes(baseline), weights.describe())
+    return _Target(Goal.BYTES, aim.nbytes, aim.over_bytes)
+
+
+def working_bytes(baseline: Prediction) -> int:
+    """The backward's working set: its predicted peak above the activations the forward saved
+    (the loss's logits and their gradient, the gradients it returns, what it rebuilds)."""
+    return max(0, baseline.peak_bytes - baseline.activation_bytes)
 
 
 def _within(items: list[_Item], allowance: float, room: int, compact: frozenset[fx.Node]
@@ -599,7 +597,9 @@ def plan_memory(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         baseline_step_s=baseline.step_s,
         spent_s=earlier_s + sum(i.cost_s for i in taken),
         host_bytes=sum(_host_bytes(i) for i in taken if i.action is Action.OFFLOAD),
-        over_bytes=target.over_bytes if first_split else graphs.share.over_bytes)
+        over_bytes=target.over_bytes if first_split else graphs.share.over_bytes,
+        fixed_bytes=device_weights(graphs.forward, ctx.prefetch_window_bytes).nbytes
+        + working_bytes(baseline))
     if not first_split:
         return dataclasses.replace(graphs, storages=storages, share=share)
     return dataclasses.replace(graphs, storages=storages, share=share, plan=MemoryPlan(

@@ -33,7 +33,7 @@ def plan_weights(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     if budget is None or plan.resident:
         return graphs
     weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
-    if weights is None or ctx.resident_room <= 0:
+    if not weights.streams or ctx.resident_room <= 0:
         return graphs
     room = min(ctx.others.left_bytes(budget - weights.resident_bytes, graphs.share),
                ctx.resident_room)

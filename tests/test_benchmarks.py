@@ -177,7 +177,7 @@ def test_zoo_memory_smoke_writes_table_and_json(tmp_path):
     assert zoo_memory.main(argv) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [(r["model"], r["method"]) for r in rows] == [
-        (model, method) for model in SMOKE_ZOO_MODELS for method in zoo_memory.METHODS]
+        (model, method) for model in SMOKE_ZOO_MODELS for method in zoo_memory.SMOKE_METHODS]
     assert [r for r in rows if "error" in r] == []
     assert all(r["step_ms"] > 0 for r in rows)
     assert all(r["grad_rel_error"] < 1e-3 for r in rows if r["method"] != zoo_memory.REFERENCE)
@@ -190,17 +190,28 @@ def test_zoo_memory_failing_method_is_reported_and_run_continues(tmp_path, monke
 
     wrap = zoo_memory.wrap
 
-    def broken_storm(method, model, storm_options=None):
+    def broken_storm(method, *args):
         if method == "storm":
             raise RuntimeError("storm broke\nmore detail")
-        return wrap(method, model, storm_options)
+        return wrap(method, *args)
 
     monkeypatch.setattr(zoo_memory, "wrap", broken_storm)
     assert zoo_memory.main(["--smoke", "--models", "resnet", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == list(zoo_memory.METHODS)
+    assert [r["method"] for r in rows] == list(zoo_memory.SMOKE_METHODS)
     assert rows[1]["error"] == "RuntimeError: storm broke"
     assert "step_ms" in rows[2]
+
+
+def test_zoo_memory_byte_budgets_are_fractions_of_the_references_peak():
+    from benchmarks import zoo_memory
+
+    assert zoo_memory.budget_bytes("storm-peak-0.75", 4000) == 3000
+    assert zoo_memory.budget_bytes("storm-budget-0.5", 4000) is None
+    with pytest.raises(ValueError, match="needs compile's peak"):
+        zoo_memory.budget_bytes("storm-peak-0.9", None)
+    assert zoo_memory._parse(["--methods", "compile,storm-peak-0.9"]).methods == [
+        "compile", "storm-peak-0.9"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")

@@ -254,7 +254,7 @@ def test_default_view_is_a_summary_and_one_row_per_saved_activation(capsys):
     lines = out.splitlines()
     assert lines[0].split() == ["gpt", "profile", "cpu-test"]
     for label in ("predicted step", "activation memory", "peak memory", "offloaded",
-                  "recomputed", "saved storages", "budget"):
+                  "recomputed", "saved storages", "activation target"):
         assert any(line.startswith(label) for line in lines[1:9]), label
     assert "ms with storm" in out and "ms without" in out and "→" in out
     assert max(map(len, lines)) <= 100

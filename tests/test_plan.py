@@ -13,13 +13,14 @@ from storm_compile import storm
 from storm_compile.compiler.backend import StormBackend
 from storm_compile.compiler.pipeline import run_passes
 from storm_compile.config import StormConfig
-from storm_compile.cost.simulate import simulate
+from storm_compile.cost.simulate import device_bytes, simulate
 from storm_compile.fx.graphs import PassContext, saved_values
 from storm_compile.fx.plan import Action, Held
 from storm_compile.fx.vocabulary import makes_choice
 from storm_compile.passes import StormBudgetError
 from storm_compile.runtime import ops
 from storm_compile.runtime.streams import bucket_bytes
+from storm_compile.weights.streaming import device_weights
 from zoo import ZOO
 
 MODELS = sorted(ZOO)
@@ -178,6 +179,36 @@ def test_budget_below_the_minimum_names_it():
     error = caught.value.inner_exception
     assert isinstance(error, StormBudgetError) and isinstance(error, ValueError)
     assert "below the minimum feasible for the step" in str(error)
+
+
+def _device_peak(graphs) -> int:
+    return device_bytes(graphs, simulate(graphs, cost_model()))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_byte_budget_bounds_the_predicted_device_peak(name):
+    """A byte budget halfway between the peak without storm and a low one (every activation
+    that may move offloaded, nothing copied ahead of its use): the plan's predicted device peak,
+    inputs, activations, gradients and working set, is within it."""
+    unplanned = _device_peak(capture(name, **_budget_options(1.0)))
+    low = _device_peak(capture(name, **{**PLAN_OPTIONS, "offload": "all",
+                                        "prefetch_window_bytes": 0}))
+    budget = (unplanned + low) // 2
+    assert _device_peak(capture(name, **_budget_options(f"{budget}B"))) <= budget
+
+
+def test_a_byte_budget_below_the_least_peak_names_it():
+    """Room for the graph's inputs and the activations that cannot move, none for the
+    backward's working set: the error states the least peak storm's plans reached, and
+    where."""
+    graphs = capture("gpt", **_budget_options(1.0))
+    inputs = device_weights(graphs.forward, 0).nbytes
+    with pytest.raises(BackendCompilerFailed) as caught:
+        step("gpt", storm(**_budget_options(f"{inputs + graphs.plan.minimum_bytes + 1}B")))
+    error = caught.value.inner_exception
+    assert isinstance(error, StormBudgetError)
+    assert "below the device memory this graph needs at its peak" in str(error)
+    assert "of the backward" in str(error) or "of the forward" in str(error)
 
 
 @pytest.mark.parametrize("name", MODELS)

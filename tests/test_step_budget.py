@@ -18,7 +18,13 @@ from storm_compile.compiler import backend
 from storm_compile.config import MemoryBudget
 from storm_compile.cost.simulate import simulate
 from storm_compile.passes import StormBudgetError
-from storm_compile.planner.step_budget import GraphId, GraphShare, StepBudget, StepView
+from storm_compile.planner.step_budget import (
+    GraphId,
+    GraphShare,
+    RunRoom,
+    StepBudget,
+    StepView,
+)
 
 PLAN_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "recompute": True}
 FIRST, SECOND, SECOND_RECOMPILED = GraphId(0, 0, 0), GraphId(1, 0, 0), GraphId(1, 1, 0)
@@ -85,16 +91,15 @@ def test_auto_allowance_is_shared_across_the_step():
 
 
 def _runs(step: StepBudget, graph: GraphId, count: int, budget: int = 100,
-          streams: bool = False, planned_in: int | None = None) -> tuple[list, list]:
+          planned_in: int = 0) -> tuple[list, list]:
     """``count`` runs of ``graph`` before a backward: the room each was given (None: the
-    graph's own plan) and what releases each. A run planned again holds its room, or, for a
-    graph that ``streams`` weights (whose room is a peak), ``planned_in`` bytes."""
+    graph's own plan) and what releases each. A run planned again holds ``planned_in`` bytes of
+    activations."""
     rooms, releases = [], []
     for _ in range(count):
-        room = step.run_room(graph, budget, streams)
+        room = step.run_room(graph, budget)
         rooms.append(room)
-        planned = step.share(graph).planned_bytes if room is None \
-            else planned_in if streams else room
+        planned = step.share(graph).planned_bytes if room is None else planned_in
         releases.append(step.ran(graph, planned))
     return rooms, releases
 
@@ -104,95 +109,79 @@ def _backward(releases: list) -> None:
         release()
 
 
-def test_a_run_the_plan_leaves_no_room_for_is_planned_at_the_minimum():
+def _peaked(share: GraphShare, fixed: int) -> GraphShare:
+    """``share`` of a plan that holds ``fixed`` bytes besides activations, at its peak."""
+    return dataclasses.replace(share, fixed_bytes=fixed, peak_bytes=fixed + share.planned_bytes)
+
+
+def test_a_run_the_step_shows_first_is_planned_at_its_minimum_beside_what_is_held():
     step = StepBudget()
-    step.record(FIRST, _share(100, 10, 60))
-    rooms, releases = _runs(step, FIRST, 2)
-    assert rooms == [None, 10]           # 60 + 10 fit in 100: no warning
+    step.record(FIRST, _peaked(_share(100, 10, 60), fixed=20))
+    rooms, releases = _runs(step, FIRST, 3, planned_in=10)
+    # Its own plan serves the first run; the next are planned at the graph's minimum (more
+    # runs may follow), their peak checked against what the held runs leave (a plan over it is
+    # kept with a warning: the room is not a known run's).
+    assert rooms == [None, RunRoom(40, 30, known=False), RunRoom(30, 30, known=False)]
     _backward(releases)
 
 
-def test_once_a_step_showed_its_runs_each_gets_an_equal_part_of_the_budget():
+def test_once_a_step_showed_its_runs_the_last_keeps_room_for_its_least_peak():
     step = StepBudget()
-    step.record(FIRST, _share(100, 10, 60))
-    _backward(_runs(step, FIRST, 2)[1])
-    rooms, releases = _runs(step, FIRST, 2)
-    assert rooms == [50, 50]
+    step.record(FIRST, _peaked(_share(100, 10, 60), fixed=20))
+    _backward(_runs(step, FIRST, 2, planned_in=10)[1])
+    # The last run's backward runs beside the first run's activations: it keeps room for the
+    # least peak a plan of the graph reached (its own plan's, 80), so the first may hold 20.
+    rooms, releases = _runs(step, FIRST, 2, planned_in=20)
+    assert rooms == [RunRoom(100, 40, known=True), None]
     _backward(releases)
-    assert _runs(step, FIRST, 2)[0] == [50, 50]
+    step.saw_peak(FIRST, 50)             # a plan of a run peaked lower: the first may hold 50
+    assert _runs(step, FIRST, 2, planned_in=50)[0] == [RunRoom(100, 70, known=True),
+                                                       RunRoom(50, 50, known=True)]
 
 
 def test_runs_that_fit_their_plan_are_not_planned_again():
     step = StepBudget()
-    step.record(FIRST, _share(100, 10, 40))
-    _backward(_runs(step, FIRST, 2)[1])
+    step.record(FIRST, _peaked(_share(100, 10, 30), fixed=20))
+    _backward(_runs(step, FIRST, 2, planned_in=30)[1])
     assert _runs(step, FIRST, 2)[0] == [None, None]
-
-
-def test_a_run_past_the_budget_warns_once_and_the_next_step_fits():
-    step = StepBudget()
-    step.record(FIRST, _share(100, 30, 90))
-    with pytest.warns(RuntimeWarning, match="ran 2 times before the backward") as caught:
-        rooms, releases = _runs(step, FIRST, 3)
-    assert rooms == [None, 30, 30] and len(caught) == 1
-    _backward(releases)
-    assert _runs(step, FIRST, 3)[0] == [33, 33, 33]
 
 
 def test_runs_that_cannot_fit_at_their_minimum_are_an_error_once_known():
     step = StepBudget()
-    step.record(FIRST, _share(100, 60, 80))
-    with pytest.warns(RuntimeWarning, match="over memory_budget"):
-        _backward(_runs(step, FIRST, 2)[1])
-    with pytest.raises(StormBudgetError, match="runs 2 times before the backward: at their "
-                                               "minimum.* hold 120 bytes"):
-        step.run_room(FIRST, 100, streams=False)
+    step.record(FIRST, _peaked(_share(100, 45, 60), fixed=20))
+    _backward(_runs(step, FIRST, 2, planned_in=45)[1])
+    with pytest.raises(StormBudgetError, match="runs 2 times before the backward: the last "
+                                               "run's backward.* needs 125 bytes"):
+        step.run_room(FIRST, 100)
 
 
 def test_the_other_graphs_plans_come_first():
     step = StepBudget()
-    step.record(FIRST, _share(100, 10, 60))
-    step.record(SECOND, _share(100, 0, 30))
-    _backward([*_runs(step, SECOND, 1)[1], *_runs(step, FIRST, 2)[1]])
+    step.record(FIRST, _peaked(_share(100, 10, 40), fixed=10))
+    step.record(SECOND, _peaked(_share(100, 0, 30), fixed=10))
+    _backward([*_runs(step, SECOND, 1)[1], *_runs(step, FIRST, 2, planned_in=10)[1]])
     _runs(step, SECOND, 1)
-    assert _runs(step, FIRST, 2)[0] == [35, 35]
+    # The second graph holds 30, and the last run keeps 50 for its peak: the first may hold 20.
+    assert _runs(step, FIRST, 2, planned_in=20)[0] == [RunRoom(70, 30, known=True), None]
 
 
-def test_a_streamed_graphs_next_run_is_planned_for_the_peak_the_step_leaves():
+def test_a_streamed_graphs_resident_weights_are_its_plans_own():
     step = StepBudget()
-    step.record(FIRST, dataclasses.replace(_share(100, 5, 40), resident_bytes=30))
-    # Its own plan serves the first run; the next ones may peak at what the held runs leave
-    # (its resident weights are its plans' own, never counted twice).
-    assert _runs(step, FIRST, 3, streams=True, planned_in=20)[0] == [None, 60, 40]
+    step.record(FIRST, dataclasses.replace(_peaked(_share(100, 5, 50), fixed=20),
+                                           resident_bytes=30))
+    # Its resident weights are in its plans' peaks (and in fixed_bytes), never counted twice.
+    assert _runs(step, FIRST, 2, planned_in=20)[0] == [None, RunRoom(50, 25, known=False)]
 
 
-def test_a_streamed_graphs_run_that_no_room_is_left_for_names_the_causes():
+def test_a_run_released_by_its_backward_no_longer_counts():
     step = StepBudget()
-    step.record(FIRST, _share(100, 0, 60))
-    _runs(step, FIRST, 2, streams=True, planned_in=40)          # two runs hold 100 of 100
-    with pytest.raises(StormBudgetError, match="runs again before the backward") as caught:
-        step.run_room(FIRST, 100, streams=True)
-    for cause in ("identical blocks", "several forwards before one backward",
-                  "run validation under torch.no_grad()"):
-        assert cause in str(caught.value)
-
-
-def test_a_streamed_run_released_by_its_backward_no_longer_counts():
-    step = StepBudget()
-    step.record(FIRST, _share(100, 0, 60))
-    rooms, releases = _runs(step, FIRST, 1, streams=True)
+    step.record(FIRST, _peaked(_share(100, 0, 60), fixed=20))
+    rooms, releases = _runs(step, FIRST, 1)
     releases[0]()
     releases[0]()                        # its backward started and its graph is gone: once
-    _backward(_runs(step, FIRST, 1, streams=True)[1])
+    _backward(_runs(step, FIRST, 1)[1])
     # Gradient accumulation, one run per backward: its own plan, every time.
-    assert _runs(step, FIRST, 1, streams=True)[0] == [None]
-
-
-def test_a_streamed_graphs_first_run_leaves_the_runs_the_last_step_made_their_minimum():
-    step = StepBudget()
-    step.record(FIRST, _share(100, 10, 60))
-    _backward(_runs(step, FIRST, 3, streams=True, planned_in=15)[1])
-    assert _runs(step, FIRST, 3, streams=True, planned_in=15)[0] == [80, 85, 70]
+    assert _runs(step, FIRST, 1)[0] == [None]
 
 
 BLOCKS_SHAPE = GPTShape(d_model=64, layers=4, heads=4, seq=32, batch=2, dtype="float32")
@@ -210,30 +199,36 @@ def _blocks_compiled_one_by_one(budget) -> tuple[nn.Module, torch.Tensor, list]:
     return model, x, captured
 
 
-def _block_graph_bytes() -> int:
-    """Activation memory of one block's graph without storm."""
+def _block_graph_bytes() -> tuple[int, int, int]:
+    """One block's graph: its activation memory without storm, what its device peak holds
+    besides them (a byte budget bounds the peak), and its least activation memory."""
     model, x, captured = _blocks_compiled_one_by_one(0.25)
     model(x).sum().backward()
     assert len(captured) == 1
-    return captured[0].plan.baseline.activation_bytes
+    graphs = captured[0]
+    return (graphs.plan.baseline.activation_bytes, graphs.share.fixed_bytes,
+            graphs.plan.minimum_bytes)
 
 
 def test_a_byte_budget_over_a_block_graph_run_by_every_block_is_shared_by_its_runs():
-    per_block = _block_graph_bytes()
+    per_block, fixed, minimum = _block_graph_bytes()
     torch.manual_seed(0)
     reference, (x,) = build_gpt(BLOCKS_SHAPE)
-    # Room for one run's activations, and four runs: the first step shows them (its runs past
-    # the first at their minimum), the next plans each for a quarter.
-    model, x, captured = _blocks_compiled_one_by_one(f"{per_block}B")
-    with pytest.warns(RuntimeWarning, match="ran 2 times before the backward"):
+    # Room for one run's peak and the others at their minimum: the first step shows the four
+    # runs (those past the first planned at their minimum, over what is left), the next ones
+    # plan the last run for its least peak and share the rest between the first three.
+    budget = fixed + per_block + (BLOCKS_SHAPE.layers - 1) * minimum
+    model, x, captured = _blocks_compiled_one_by_one(f"{budget}B")
+    with pytest.warns(RuntimeWarning, match="ran again before the backward"):
         model(x).sum().backward()
-    model.zero_grad()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model(x).sum().backward()
+    for _ in range(2):
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(x).sum().backward()
+    assert captured[1].plan.target_bytes == minimum
     shared = captured[-1]
-    assert shared.plan.target_bytes <= per_block // BLOCKS_SHAPE.layers
-    assert BLOCKS_SHAPE.layers * shared.share.planned_bytes <= per_block
+    assert minimum <= shared.plan.target_bytes < per_block
     reference(x).sum().backward()
     for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, ref.grad, msg=name)
@@ -245,10 +240,11 @@ def _mlp() -> nn.Module:
                          nn.Linear(512, 64))
 
 
-def _mlp_graph_bytes() -> int:
-    """Activation memory of :func:`_mlp`'s graph without storm."""
+def _mlp_graph_bytes() -> tuple[int, int]:
+    """Activation memory of :func:`_mlp`'s graph without storm, and what its device peak holds
+    besides them (its least peak is its peak without storm: the weights' gradients)."""
     captured, _ = _captured_step(_mlp(), [torch.randn(64, 64)], memory_budget=0.5)
-    return captured[0].plan.baseline.activation_bytes
+    return captured[0].plan.baseline.activation_bytes, captured[0].share.fixed_bytes
 
 
 def _assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
@@ -258,35 +254,49 @@ def _assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
 
 
 def test_a_siamese_step_shares_a_byte_budget_between_its_two_forwards():
-    budget = _mlp_graph_bytes() // 2
+    activations, fixed = _mlp_graph_bytes()
+    # One run's peak and half its activations: the second run's backward runs beside the first
+    # run's activations.
+    budget = fixed + activations + activations // 2
     model, reference = _mlp(), _mlp()
     captured = []
     backend = StormBackend(StormConfig.from_options(
         **{**PLAN_OPTIONS, "memory_budget": f"{budget}B"}), observer=captured.append)
     run = torch.compile(model, backend=backend)
     torch.manual_seed(1)
-    for _ in range(3):
+    for step in range(3):
         a, b = torch.randn(64, 64), torch.randn(64, 64)
-        (run(a) - run(b)).pow(2).mean().backward()
+        with warnings.catch_warnings():
+            if step:
+                warnings.simplefilter("error")
+            (run(a) - run(b)).pow(2).mean().backward()
         (reference(a) - reference(b)).pow(2).mean().backward()
         _assert_grads_equal(model, reference)
-    # The first step planned the second run at its minimum; the next ones, each run for half.
+    # The first step planned the second run at its minimum; the next ones plan the first run
+    # for what the second run's peak leaves: half the activations.
     assert [g.plan.target_bytes for g in captured[1:]] == [
-        captured[0].plan.minimum_bytes, budget // 2]
-    assert 2 * captured[-1].share.planned_bytes <= budget
+        captured[0].plan.minimum_bytes, activations // 2]
+    assert captured[-1].share.planned_bytes <= activations // 2
 
 
 def test_a_gan_step_shares_a_byte_budget_between_its_graphs_and_its_runs():
     generator, discriminator = _mlp(), _mlp()
     references = _mlp(), _mlp()
-    backend = storm(**PLAN_OPTIONS, memory_budget=f"{_mlp_graph_bytes()}B")
+    activations, fixed = _mlp_graph_bytes()
+    # The generator's activations, and the discriminator's two runs: one run's peak beside
+    # half the other's activations.
+    backend = storm(**PLAN_OPTIONS,
+                    memory_budget=f"{fixed + 2 * activations + activations // 2}B")
     compiled = torch.compile(generator, backend=backend), torch.compile(discriminator,
                                                                        backend=backend)
     torch.manual_seed(1)
-    for _ in range(3):
+    for step in range(3):
         z, real = torch.randn(64, 64), torch.randn(64, 64)
         for make, judge in (compiled, references):
-            (judge(real).mean() - judge(make(z)).mean()).backward()
+            with warnings.catch_warnings():
+                if step:
+                    warnings.simplefilter("error")
+                (judge(real).mean() - judge(make(z)).mean()).backward()
         _assert_grads_equal(generator, references[0])
         _assert_grads_equal(discriminator, references[1])
 
@@ -294,7 +304,7 @@ def test_a_gan_step_shares_a_byte_budget_between_its_graphs_and_its_runs():
 def test_a_validation_loss_kept_with_grad_enabled_trains_within_a_byte_budget():
     model, reference = _mlp(), _mlp()
     run = torch.compile(model, backend=storm(
-        **PLAN_OPTIONS, memory_budget=f"{_mlp_graph_bytes()}B"))
+        **PLAN_OPTIONS, memory_budget=f"{sum(_mlp_graph_bytes())}B"))
     torch.manual_seed(1)
     validation = torch.randn(64, 64)
     kept = run(validation).pow(2).mean()                 # its autograd graph lives on
@@ -314,8 +324,8 @@ def test_a_fraction_budget_over_a_block_graph_holds_for_every_run():
 
 
 def test_runs_whose_outputs_are_dropped_unused_release_their_share():
-    per_block = _block_graph_bytes()
-    model, x, captured = _blocks_compiled_one_by_one(f"{per_block}B")
+    per_block, fixed, minimum = _block_graph_bytes()
+    model, x, captured = _blocks_compiled_one_by_one(f"{fixed + per_block + minimum}B")
     block = model.blocks[0]
     for _ in range(3):
         block(x)                         # each run's autograd graph is freed at once
@@ -327,8 +337,8 @@ def test_runs_whose_outputs_are_dropped_unused_release_their_share():
 
 
 def test_a_byte_budget_with_room_for_every_run_trains():
-    per_block = _block_graph_bytes()
-    model, x, _ = _blocks_compiled_one_by_one(f"{BLOCKS_SHAPE.layers * per_block}B")
+    per_block, fixed, _ = _block_graph_bytes()
+    model, x, _ = _blocks_compiled_one_by_one(f"{fixed + BLOCKS_SHAPE.layers * per_block}B")
     for _ in range(2):
         model(x).sum().backward()
 
@@ -409,9 +419,10 @@ class Branches(nn.Module):
         return h.pow(2).mean()
 
 
-BRANCH_BUDGET = "5MB"
-"""Above what the part before the branch and one side keep (about 4.7 MB, every activation
-kept: ``min_offload_bytes`` above them all), below what it and both sides keep (6.3 MB)."""
+BRANCH_BUDGET = "8MB"
+"""Above the peak of one side's backward beside the activations of the part before the branch
+(about 7.3 MB, every activation kept: ``min_offload_bytes`` above them all), below that peak
+beside both (about 10 MB)."""
 
 
 def test_sides_of_a_branch_never_share_a_byte_budget():
@@ -504,13 +515,23 @@ def test_the_passes_return_the_graphs_share_and_only_the_pipeline_records_it():
                    for f in dataclasses.fields(backend.ctx))
 
 
-def test_a_streamed_run_no_plan_fits_is_the_steps_budget_error():
-    def replan(room: int):
-        raise StormBudgetError(f"the least predicted peak is {room + 1} bytes")
+def test_a_run_no_plan_fits_is_the_steps_budget_error():
+    def replan(room: RunRoom):
+        raise StormBudgetError(f"the least predicted peak is {room.peak_bytes + 1} bytes")
 
     with pytest.raises(StormBudgetError, match="memory_budget 100 bytes .* is the step's.* runs "
                                                "again before the backward: beside the 40 bytes"
                                                ".* least predicted peak is 61 bytes"):
-        backend._replanned(replan, 60, 100, streams=True)
-    with pytest.raises(StormBudgetError, match="^the least predicted peak is 61 bytes$"):
-        backend._replanned(replan, 60, 100, streams=False)
+        backend._replanned(replan, RunRoom(60, 60, known=True), 100)
+
+
+def test_a_run_holds_the_device_inputs_the_earlier_runs_did_not_pass():
+    seen: set[int] = set()
+    device = "cuda" if torch.cuda.is_available() else "cpu"      # host tensors: streamed
+    weights, batch, other = (torch.zeros(n, device=device) for n in (256, 64, 32))
+    assert backend._new_inputs([weights, batch, 3], seen, first=True) == 0
+    # A second run of the graph: the same weights, another batch (and a view of it).
+    assert backend._new_inputs([weights, other, other[:8]], seen, first=False) == other.nbytes
+    assert backend._new_inputs([weights, other], seen, first=False) == 0
+    assert backend._new_inputs([other], seen, first=True) == 0 and seen == {
+        other.untyped_storage().data_ptr()}

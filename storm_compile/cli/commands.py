@@ -345,7 +345,8 @@ def _schedule(args: argparse.Namespace) -> int:
 
 
 def _asked_bytes(budget: MemoryBudget, summary: dict[str, object]) -> int | None:
-    """Activation bytes a fraction or byte budget asks for (None for ``"auto"``)."""
+    """Activation bytes a fraction asks for, a byte budget's device peak (None for
+    ``"auto"``)."""
     if budget.fraction is not None:
         return int(budget.fraction * summary["baseline_activation_bytes"])
     return budget.nbytes
@@ -369,13 +370,17 @@ def _pareto(args: argparse.Namespace) -> int:
     minimum = planned[0]["minimum_activation_bytes"]
     for budget, ctx, summary in zip(budgets, contexts, summaries):
         asked = _asked_bytes(ctx.config.memory_budget, summary or planned[0])
-        if summary is None or (asked is not None and asked < minimum):
+        if summary is None:
+            print(f"storm: note: budget {budget} ({asked} bytes) skipped: below the minimum for "
+                  f"this model ({infeasible})", file=sys.stderr)
+        elif asked is not None and asked < minimum:
             print(f"storm: note: budget {budget} ({asked} bytes) skipped: below the minimum of "
                   f"{minimum} bytes for this model", file=sys.stderr)
         else:
             rows.append(summary)
     if not args.budgets and all(r["budget_bytes"] != minimum for r in rows):
-        ctx = _context(args, memory_budget=f"{minimum}B")
+        least = max(minimum, 1) / planned[0]["baseline_activation_bytes"]
+        ctx = _context(args, memory_budget=least)
         rows.append(annotate(plan_model(args.model, ctx, **_shape(args)), ctx.cost)["summary"])
     if not rows:
         raise UsageError(f"--budgets {args.budgets}: every budget is below the minimum of "

@@ -261,7 +261,9 @@ def format_storages(annotated: dict[str, object], title: str) -> str:
                               f"{_size(s['activation_bytes'])} ("
                               f"{_change(s['baseline_activation_bytes'], s['activation_bytes'])})"),
         ("peak memory", f"{_size(s['baseline_peak_bytes'])} → {_size(s['peak_bytes'])} "
-                        f"({_change(s['baseline_peak_bytes'], s['peak_bytes'])})"),
+                        f"({_change(s['baseline_peak_bytes'], s['peak_bytes'])}) above "
+                        f"inputs; {_size(s['device_bytes'])} with them, what a byte "
+                        f"budget bounds"),
         ("offloaded", f"{_size(s['offloaded_bytes'])}, exposed transfer "
                       f"{s['exposed_transfer_ms']:.2f} ms"),
         ("recomputed", f"{_size(s['recomputed_bytes'])}, {s['recompute_ms']:.2f} ms in the "
@@ -275,15 +277,14 @@ def format_storages(annotated: dict[str, object], title: str) -> str:
         lines.append(("streamed weights", f"{_size(s['streamed_weight_bytes'])} fetched from "
                                           f"host memory{held}, "
                                           f"{_size(s['resident_weight_bytes'])} "
-                                          f"kept on the device; device memory "
-                                          f"{_size(s['device_bytes'])} at the peak"))
+                                          f"kept on the device"))
     if s["tokens"] is not None:
         lines.append(("throughput", f"{s['predicted_tokens_per_s']:.0f} tokens/s predicted "
                                     f"({s['tokens']} tokens per micro-batch, forward and "
                                     f"backward)"))
     if s["budget_bytes"] is not None:
-        lines.append(("budget", f"{_size(s['budget_bytes'])} (minimum feasible "
-                                f"{_size(s['minimum_activation_bytes'])})"))
+        lines.append(("activation target", f"{_size(s['budget_bytes'])} (minimum feasible "
+                                           f"{_size(s['minimum_activation_bytes'])})"))
     head = tabulate(lines, headers=[title, f"profile {s['profile']}"], tablefmt="plain",
                     disable_numparse=True)
     table = tabulate([(r["storage"], _size(r["bytes"]), r["decision"], _short(r["reason"]))

@@ -13,7 +13,7 @@ import functools
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from uuid import uuid4
@@ -28,7 +28,7 @@ from storm_compile.compiler.pipeline import storm_partition
 from storm_compile.config import MemoryBudget, StormConfig, StormOptionError
 from storm_compile.cost.calibrate import profile_for
 from storm_compile.cost.cost_model import CostModel, MeasuredCosts
-from storm_compile.fx.graphs import PassContext, StormGraphs
+from storm_compile.fx.graphs import Limits, PassContext, StormGraphs
 from storm_compile.fx.torch_private import (
     CustomPartitionerFn,
     TracingContext,
@@ -47,7 +47,14 @@ from storm_compile.fx.torch_private import (
 )
 from storm_compile.fx.vocabulary import is_transfer
 from storm_compile.planner import plan_cache
-from storm_compile.planner.step_budget import GraphId, StepBudget, StormBudgetError, runs_over
+from storm_compile.planner.step_budget import (
+    GraphId,
+    GraphShare,
+    RunRoom,
+    StepBudget,
+    StormBudgetError,
+    runs_over,
+)
 from storm_compile.runtime import ops
 from storm_compile.runtime.ranks import rank_key
 from storm_compile.runtime.streams import get_runtime
@@ -125,7 +132,7 @@ class StormPartitioner(CustomPartitionerFn):
         if self.observer is not None or self.ctx.cost.override is not None:
             return None
         return repr((storm_compile.__version__, _sources_hash(), self.ctx.config,
-                     self.ctx.cost.profile, rank_key(), self.ledger))
+                     self.ctx.limits, self.ctx.cost.profile, rank_key(), self.ledger))
 
     def uuid(self) -> Any:
         """AOTAutograd's and Inductor's cache key of the partitioner: :meth:`key`, or None
@@ -196,8 +203,7 @@ class StormBackend:
         step = self.step
         graph, recorded = step.peek_graph(), step.last
         budget = self.config.memory_budget
-        streams = _streams(gm)
-        if streams and _needs_backward(example_inputs):
+        if _streams(gm) and _needs_backward(example_inputs):
             get_runtime().prepare_backward(_sent_home(gm, example_inputs),
                                            self.config.host_memory_limit)
         original = _graph_copy(gm) if budget.nbytes is not None else None
@@ -213,26 +219,30 @@ class StormBackend:
             return compiled
         replan = None if original is None else functools.partial(
             self._planned_for, original, example_inputs, TracingContext.try_get())
-        return _counting_runs(compiled, step, step.last, budget.nbytes, replan, streams)
+        return _counting_runs(compiled, step, step.last, budget.nbytes, replan)
 
     def _planned_for(self, gm: fx.GraphModule, example_inputs: list[Any], context: Any,
-                     room: int) -> tuple[Callable, int]:
+                     room: RunRoom) -> tuple[Callable, GraphShare]:
         """``gm`` (dynamo's graph, as it came) compiled for one run under a byte budget of
-        ``room`` alone (activations held; for a graph that streams weights, its device peak),
-        and the activation bytes that plan holds: a run :meth:`StepBudget.run_room` asked to
-        plan again. It compiles in dynamo's tracing ``context`` of the first compile (its fake
-        tensors' shape environment, which the caches key on), and its own ledger never joins
-        the step's."""
-        config = dataclasses.replace(self.config, memory_budget=MemoryBudget(nbytes=room))
+        ``room``'s device peak alone, its activations planned for ``room.plan_bytes``, and
+        that plan's share of the step: a run :meth:`StepBudget.run_room` asked to plan
+        again (a peak no plan fits is an error for a known run, a warning for one the step
+        shows for the first time). It compiles in dynamo's tracing ``context`` of the first
+        compile (its fake tensors' shape environment, which the caches key on), and its own
+        ledger never joins the step's."""
+        config = dataclasses.replace(self.config,
+                                     memory_budget=MemoryBudget(nbytes=room.peak_bytes))
         backend = StormBackend(config, self.observer, self.cost_override)
+        backend.partitioner.ctx = dataclasses.replace(backend.ctx, limits=Limits(
+            budget_bytes=room.plan_bytes, peak_error=room.known))
         fresh = _graph_copy(gm)
         backend._prepare(fresh, example_inputs, backend.step.peek_graph())
         with contextlib.nullcontext() if context is None else tracing(context):
             compiled = backend._compile(fresh, example_inputs)
         if backend.step.last is None and backend.partitioner.record_key is not None:
             backend._replay(backend.partitioner.record_key)
-        log.debug("storm: a graph planned again for a run holding at most %d bytes", room)
-        return compiled, backend.step.share(backend.step.last).planned_bytes
+        log.debug("storm: a graph planned again for a run peaking at %d bytes", room.peak_bytes)
+        return compiled, backend.step.share(backend.step.last)
 
     def variant(self, mode: str | None, options: dict[str, Any] | None) -> StormBackend:
         """This backend with ``mode`` and ``options`` over its own, validated as ``storm(...)``
@@ -305,25 +315,32 @@ class StormBackend:
 
 
 def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget: int | None,
-                   replan: Callable[[int], tuple[Callable, int]] | None,
-                   streams: bool) -> Callable:
+                   replan: Callable[[RunRoom], tuple[Callable, GraphShare]] | None
+                   ) -> Callable:
     """``compiled``, telling ``step`` of each run that autograd will take a backward through
     (:meth:`StepBudget.ran`: which graphs a step runs, and what each run holds) and releasing
     the run when its backward starts or its autograd graph is freed unused. Under a byte
     ``budget`` a run the ledger asks to plan again (:meth:`StepBudget.run_room`: the graph runs
-    several times before a backward) runs ``replan(room)``'s graph, compiled once per room: for
-    a graph that ``streams`` weights, the room is the device peak the run may reach beside what
-    the step holds, and a run no plan fits there raises :class:`StormBudgetError` saying so."""
-    variants: dict[int, tuple[Callable, int]] = {}
+    several times before a backward) runs ``replan(room)``'s graph, compiled once per room (the
+    device peak the run may reach); a run no plan fits beside what the step holds raises
+    :class:`StormBudgetError` saying so. A run also holds the device inputs the step's earlier
+    runs of the graph did not pass (another block's weights, a siamese step's second batch):
+    the graph's plan counts one run's inputs."""
+    variants: dict[RunRoom, tuple[Callable, GraphShare]] = {}
+    boxed = getattr(compiled, "_boxed_call", False)
+    inputs_seen: set[int] = set()
 
     def run(*args: Any) -> Any:
         chosen, planned = compiled, step.share(graph).planned_bytes
         if budget is not None and torch.is_grad_enabled():
-            room = step.run_room(graph, budget, streams)
+            room = step.run_room(graph, budget)
             if room is not None:
                 if room not in variants:
-                    variants[room] = _replanned(replan, room, budget, streams)
-                chosen, planned = variants[room]
+                    variants[room] = _replanned(replan, room, budget)
+                    step.saw_peak(graph, variants[room][1].peak_bytes)
+                chosen, planned = variants[room][0], variants[room][1].planned_bytes
+            planned += _new_inputs(args[0] if boxed else args, inputs_seen,
+                                   step.runs_held(graph) == 0)
         outputs = chosen(*args)
         if not torch.is_grad_enabled():
             return outputs
@@ -335,21 +352,38 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
             weakref.finalize(node, release)
         return outputs
 
-    if getattr(compiled, "_boxed_call", False):
+    if boxed:
         run._boxed_call = True
     return run
 
 
-def _replanned(replan: Callable[[int], tuple[Callable, int]], room: int, budget: int,
-               streams: bool) -> tuple[Callable, int]:
-    """``replan(room)``; for a graph that streams weights, a room no plan fits is the step's
-    budget error, naming the runs that took the rest of the budget."""
+def _new_inputs(args: Sequence[Any], seen: set[int], first: bool) -> int:
+    """Bytes of the device storages among ``args`` not in ``seen`` (which then holds them); a
+    ``first`` run starts ``seen`` afresh and counts nothing (its graph's plan counts its
+    inputs). With CUDA present, host tensors (streamed weights) are not device storages."""
+    if first:
+        seen.clear()
+    host = "cpu" if torch.cuda.is_available() else None
+    fresh = 0
+    for arg in args:
+        if not isinstance(arg, torch.Tensor) or arg.device.type == host:
+            continue
+        storage = arg.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            fresh += 0 if first else storage.nbytes()
+    return fresh
+
+
+def _replanned(replan: Callable[[RunRoom], tuple[Callable, GraphShare]], room: RunRoom,
+               budget: int) -> tuple[Callable, GraphShare]:
+    """``replan(room)``; a room no plan fits is the step's budget error, naming the runs that
+    took the rest of the budget."""
     try:
         return replan(room)
     except StormBudgetError as error:
-        if not streams:
-            raise
-        raise StormBudgetError(f"{runs_over(budget, budget - room)} {error}") from error
+        raise StormBudgetError(
+            f"{runs_over(budget, budget - room.peak_bytes)} {error}") from error
 
 
 def _streams(gm: fx.GraphModule) -> bool:

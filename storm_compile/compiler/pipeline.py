@@ -236,17 +236,19 @@ def _peak(graphs: StormGraphs, ctx: PassContext) -> tuple[int, Prediction]:
 
 
 def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
-    """:func:`run_passes`; then, for a graph that streams weights under a byte
-    ``memory_budget``, which bounds the device's weights and activations at the step's peak:
+    """:func:`run_passes`; then, under a byte ``memory_budget``, which bounds the step's
+    device peak (inputs, weights, activations and the backward's working set):
 
     1. while the predicted device peak (:func:`~storm_compile.cost.simulate.device_bytes`) is over
        the budget, plan again from a fresh split with fewer activations and a smaller prefetch
        window, at most :data:`PEAK_ROUNDS` times (:func:`_fit_peak`), once with the window
        spared while the activations can take the excess and once with both lowered; keep the
        fitting plan with the faster predicted step; raise :class:`StormBudgetError` stating the
-       least peak seen and where it is when neither fits;
-    2. plan again with the room the fitting plan left (``PassContext.resident_room``) for
-       ``plan_weights`` to keep weights on the device (:func:`_with_residents`), and, unless
+       least peak seen and where it is when neither fits (a run the step's ledger planned
+       again keeps its plan with a warning, ``Limits.peak_error``);
+    2. for a graph that streams weights, plan again with the room the fitting plan left
+       (``PassContext.resident_room``) for ``plan_weights`` to keep weights on the device
+       (:func:`_with_residents`), and, unless
        that kept every streamed weight, once more from a plan whose activation target is lower
        by up to the streamed weights' bytes (activations traded for weights kept): of the
        fitting plan and those whose peak fits, the one with the fastest predicted step.
@@ -255,27 +257,39 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     in the step's ledger; the passes only read the step (``ctx.others``)."""
     asked = ctx.config
     budget = asked.memory_budget.nbytes
-    weights = device_weights(graphs.forward, asked.prefetch_window_bytes)
+    streams = device_weights(graphs.forward, asked.prefetch_window_bytes).streams
     first = plan_storages(graphs, ctx)
-    if budget is None or weights is None or first.plan.target_bytes is None:
+    if budget is None or first.plan.target_bytes is None:
         return plan_transfers(first, ctx)
+    room = budget - ctx.others.held_bytes()          # the peak beside the other graphs
     planned = _transfers(first, ctx)
     peak, prediction = _peak(planned, ctx)
-    if peak > budget:
-        fits, least = [], _peak_at(peak, prediction)
+    if peak > room:
+        fits, least = [], _peak_at(peak, prediction, planned)
         for spare_window in (True, False):
-            fit = _fit_peak(graphs, ctx, planned, prediction, spare_window)
+            fit = _fit_peak(graphs, ctx, planned, prediction, spare_window, room)
             if isinstance(fit, _Fit):
                 fits.append(fit)
             else:
                 least = min(least, fit, key=lambda seen: seen.nbytes)
-        if not fits:
-            raise _over_budget(budget, least, asked)
-        fastest = min(fits, key=lambda fit: fit.prediction.step_s)
-        planned, prediction, ctx, peak, first = (fastest.graphs, fastest.prediction,
-                                                 fastest.ctx, fastest.peak, fastest.decided)
-    best = _Candidate(prediction.step_s, planned)
-    kept = _with_residents(first, ctx, budget, planned, budget - peak)
+        if fits:
+            fastest = min(fits, key=lambda fit: fit.prediction.step_s)
+            planned, prediction, ctx, peak, first = (fastest.graphs, fastest.prediction,
+                                                     fastest.ctx, fastest.peak, fastest.decided)
+        elif ctx.limits.peak_error:
+            raise _over_budget(budget, room, least, asked)
+        else:
+            warnings.warn(
+                f"storm: a compiled graph ran again before the backward, and its run's least "
+                f"predicted peak, {least.nbytes} bytes ({least.nbytes / GIB:.3f} GiB), is over "
+                f"the {room} bytes the step's memory_budget leaves it: the step that first "
+                f"shows a run plans it at its minimum beside what the earlier runs hold; from "
+                f"the next step on the runs share the budget", RuntimeWarning, stacklevel=2)
+            return _with_peak(least.graphs, least.nbytes)
+    if not streams:
+        return _with_peak(planned, peak)
+    best = _Candidate(prediction.step_s, planned, peak)
+    kept = _with_residents(first, ctx, room, planned, room - peak)
     if kept is not None:
         best = min(best, kept, key=lambda plan: plan.step_s)
     streamed = sum(tensor_bytes(w.meta.get("val")) for w in host_inputs(planned))
@@ -284,10 +298,10 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                       or sum(w.nbytes for w in kept.graphs.storages.resident) < streamed):
         fewer = dataclasses.replace(ctx, limits=dataclasses.replace(
             ctx.limits, budget_bytes=ctx.memory_budget.nbytes - freed))
-        kept = _traded(graphs, fewer, budget)
+        kept = _traded(graphs, fewer, room)
         if kept is not None:
             best = min(best, kept, key=lambda plan: plan.step_s)
-    return best.graphs
+    return _with_peak(best.graphs, best.peak)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,40 +318,48 @@ class _Fit:
 
 @dataclasses.dataclass(frozen=True)
 class _Candidate:
-    """A plan the search may return: its predicted step and its rewritten graphs (with their
-    share of the step)."""
+    """A plan the search may return: its predicted step, its rewritten graphs (with their
+    share of the step) and its predicted device peak."""
 
     step_s: float
     graphs: StormGraphs
+    peak: int
 
 
 @dataclasses.dataclass(frozen=True)
 class _PeakAt:
-    """A plan's predicted device peak and the node where it is."""
+    """A plan's predicted device peak, the node where it is, and the plan."""
 
     nbytes: int
     at: NodeTiming
+    graphs: StormGraphs
 
 
-def _peak_at(peak: int, prediction: Prediction) -> _PeakAt:
-    return _PeakAt(peak, max(prediction.timings, key=lambda t: t.memory_after))
+def _peak_at(peak: int, prediction: Prediction, graphs: StormGraphs) -> _PeakAt:
+    return _PeakAt(peak, max(prediction.timings, key=lambda t: t.memory_after), graphs)
+
+
+def _with_peak(graphs: StormGraphs, peak: int) -> StormGraphs:
+    """``graphs`` with their predicted device peak in their share of the step."""
+    return dataclasses.replace(graphs, share=dataclasses.replace(graphs.share, peak_bytes=peak))
 
 
 def _fit_peak(graphs: StormGraphs, ctx: PassContext,
-              planned: StormGraphs, prediction: Prediction, spare_window: bool
+              planned: StormGraphs, prediction: Prediction, spare_window: bool, room: int
               ) -> _Fit | _PeakAt:
-    """Plan ``graphs`` again from a fresh split while the predicted device peak stays over the
-    byte budget, starting from ``planned`` (over it, predicted as ``prediction``), at most
-    :data:`PEAK_ROUNDS` times: the first fitting plan, or the least peak seen and the node
-    where it is. Round ``k`` takes the excess times ``2**k`` from the activations (never below
-    their minimum) and from ``prefetch_window_bytes``: with ``spare_window`` only the part the
-    activations could not take."""
-    budget, window = ctx.memory_budget.nbytes, ctx.prefetch_window_bytes
+    """Plan ``graphs`` again from a fresh split while the predicted device peak stays over
+    ``room`` (the byte budget less what the step's other graphs hold), starting from
+    ``planned`` (over it, predicted as ``prediction``), at most :data:`PEAK_ROUNDS` times: the
+    first fitting plan, or the least peak seen, the node where it is and its plan. Round ``k``
+    takes the excess times ``2**k`` from the activations (never below their minimum) and from
+    ``prefetch_window_bytes``: with ``spare_window`` only the part the activations could not
+    take."""
+    lowered, window = ctx.memory_budget.nbytes, ctx.prefetch_window_bytes
     weights = device_weights(graphs.forward, window)
     peak = device_bytes(planned, prediction)
-    lowered, least = budget, _peak_at(peak, prediction)
+    least = _peak_at(peak, prediction, planned)
     for round_ in range(PEAK_ROUNDS):
-        excess = (peak - budget) * 2**round_
+        excess = (peak - room) * 2**round_
         target = max(planned.plan.minimum_bytes, prediction.activation_bytes - excess)
         taken = excess - (prediction.activation_bytes - target) if spare_window else excess
         window = max(0, min(window, peak - prediction.activation_bytes) - taken)
@@ -354,9 +376,9 @@ def _fit_peak(graphs: StormGraphs, ctx: PassContext,
             return least
         planned = _transfers(decided, ctx)
         peak, prediction = _peak(planned, ctx)
-        if peak <= budget:
+        if peak <= room:
             return _Fit(planned, prediction, ctx, peak, decided)
-        least = min(least, _peak_at(peak, prediction), key=lambda seen: seen.nbytes)
+        least = min(least, _peak_at(peak, prediction, planned), key=lambda seen: seen.nbytes)
     return least
 
 
@@ -396,22 +418,25 @@ def _with_residents(decided: StormGraphs, ctx: PassContext, budget: int, fitting
             kept = place_and_insert(copy_decided(weighed), with_room)
             peak, prediction = _peak(kept, ctx)
             if peak <= budget:
-                return _Candidate(prediction.step_s, kept)
+                return _Candidate(prediction.step_s, kept, peak)
             peaks[resident] = peak
         room -= (peaks[resident] - budget) * 2**round_
     return None
 
 
-def _over_budget(budget: int, least: _PeakAt, asked: StormConfig) -> StormBudgetError:
+def _over_budget(budget: int, room: int, least: _PeakAt, asked: StormConfig
+                 ) -> StormBudgetError:
     peak, at = least.nbytes, least.at
+    beside = (f" (less the {budget - room} bytes the step's other graphs hold)"
+              if room < budget else "")
     return StormBudgetError(
-        f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the device memory "
-        f"this streamed graph needs at its peak: of the plans storm tried, with up to every "
+        f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB){beside} is below the device "
+        f"memory this graph needs at its peak: of the plans storm tried, with up to every "
         f"activation that may move offloaded or recomputed, the least predicted peak is {peak} "
         f"bytes ({peak / GIB:.3f} GiB), at {at.node} of the "
         f"{'backward' if at.graph == 'bw' else 'forward'}. Raise memory_budget, lower "
-        f"prefetch_window_bytes ({asked.prefetch_window_bytes} bytes of streamed weights "
-        f"may be copied ahead), or use fewer tokens per micro-batch")
+        f"prefetch_window_bytes ({asked.prefetch_window_bytes} bytes of offloaded activations "
+        f"and streamed weights may be copied ahead), or use fewer tokens per micro-batch")
 
 
 def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext, step: StepBudget,

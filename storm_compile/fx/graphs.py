@@ -158,7 +158,7 @@ def _decision_on(decision: Decision, backward: dict[str, fx.Node]) -> Decision:
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What the planner plans a graph against where it differs from the user's options, which
-    are never rewritten: to fit a streamed graph's device peak under a byte budget, or to trade
+    are never rewritten: to fit a graph's device peak under a byte budget, or to trade
     activations for weights kept on the device, the planner's search
     (:func:`storm_compile.compiler.pipeline.plan_within_budget`) plans with a lower byte budget and
     a smaller prefetch window; where the planned recomputation cannot be rebuilt, the graph is
@@ -167,6 +167,10 @@ class Limits:
     budget_bytes: int | None = None
     prefetch_window_bytes: int | None = None
     recompute: bool | None = None
+    peak_error: bool = True
+    """Whether a byte budget's device peak that no plan fits is an error (a graph's first
+    plan), or the plan is kept with a warning (a run the step's ledger planned again, in the
+    step that first showed it: from the next step on, the ledger plans for every run)."""
 
 
 @dataclasses.dataclass(frozen=True)

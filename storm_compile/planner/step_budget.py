@@ -31,24 +31,26 @@ without storm and as planned:
 One compiled graph may run several times before the step's backward: identical blocks compile
 to one graph when each is compiled on its own (torchtitan's way) or sits behind FSDP2's hooks, a
 siamese or GAN step makes several forwards before one backward, and a validation loss kept with
-grad enabled keeps its autograd graph. Planning sees one run; the forward sees them all. Under a
-byte budget :meth:`StepBudget.run_room` decides, before each run, the activation memory that run
-must be planned for (the backend compiles the graph once more for it,
-:func:`storm_compile.compiler.backend._counting_runs`), and
+grad enabled keeps its autograd graph. Planning sees one run; the forward sees them all. A byte
+budget bounds the step's device peak, and a run's peak comes with the activations the step's
+earlier runs still hold: backwards run in reverse, so run ``i``'s backward runs beside runs
+``0 .. i-1``. Under a byte budget :meth:`StepBudget.run_room` decides, before each run, the
+device peak that run must be planned for (a :class:`RunRoom`; the backend compiles the graph
+once more for each, :func:`storm_compile.compiler.backend._counting_runs`), and
 :meth:`StepBudget.ran` counts what each run whose backward is still to come holds:
 
 * a run the graph's own plan fits beside what the step holds uses that plan;
 * in a step where a graph runs more often than in the last finished step, each further run is
-  planned at the graph's minimum (the step learns the count here; storm warns once when even
-  that takes the step over the budget);
-* once a finished step ran a graph ``k`` times, each of its ``k`` runs is planned for an equal
-  part of what the step's other graphs leave; when ``k`` runs at their minimum and the other
-  graphs' minimums do not fit, the budget is infeasible (:class:`StormBudgetError`).
+  planned at the graph's minimum (the step learns the count here; storm warns when that run's
+  predicted peak does not fit what is left);
+* once a finished step ran a graph ``k`` times, its last run keeps room for the least peak
+  any plan of the graph reached (its backward runs beside the other runs' activations), and
+  the other ``k - 1`` share what is left for activations in equal parts, each run peaking at
+  most at what the runs before it leave; when the last run's least peak beside the others at
+  their minimum does not fit, or a run's plan cannot fit its room, the budget is infeasible
+  (:class:`StormBudgetError`).
 
-A fraction budget, or ``"auto"``, holds for every run alike. A graph that streams weights bounds
-its device peak, weights included: a run of it beside what the step holds is planned for the peak
-the budget leaves it (the first run of a step known to make ``k`` leaves the others their
-minimum), and a run with no room left raises :class:`StormBudgetError`.
+A fraction budget, or ``"auto"``, holds for every run alike.
 """
 
 from __future__ import annotations
@@ -91,6 +93,30 @@ class GraphShare:
     over_bytes: int = 0
     """How far a byte budget is exceeded with this graph at its minimum: graphs compiled
     earlier in the step took the room (the ledger warns once when it records such a share)."""
+    peak_bytes: int = 0
+    """Under a byte budget, the plan's predicted device peak (its inputs, activations and
+    working set)."""
+    fixed_bytes: int = 0
+    """The device memory the graph's peak holds besides its activations: its inputs there (for
+    a graph that streams weights, the weights it reads there) and its backward's working set
+    above the saved activations. A byte budget bounds it with the activations."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRoom:
+    """What one run of a graph is planned again for under a byte budget."""
+
+    peak_bytes: int
+    """The device peak the run may reach beside what the step holds when it runs."""
+    plan_bytes: int
+    """The byte budget its activations are planned for: ``peak_bytes``, or, for a run the step
+    shows for the first time, what the graph holds besides activations and its minimum (more
+    runs may follow)."""
+    known: bool
+    """Whether the last finished step made this run too. A known run's room leaves the later
+    runs theirs, and a plan that cannot fit it is an error; for a run shown for the first time
+    a plan over ``peak_bytes`` is kept with a warning, and the next step plans for the runs
+    this one made."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,25 +136,38 @@ class StepView:
 
     others: tuple[GraphShare, ...] = ()
 
-    def target_bytes(self, asked: MemoryBudget, baseline: int, minimum: int) -> StepTarget:
-        """Activation memory this graph should reach for a byte or fraction budget."""
+    def target_bytes(self, asked: MemoryBudget, baseline: int, minimum: int,
+                     device_bytes: int = 0, working_bytes: int = 0,
+                     holds: str = "") -> StepTarget:
+        """Activation memory this graph should reach for a byte or fraction budget. A byte
+        budget bounds the device peak: the graph holds ``device_bytes`` there besides
+        activations (``holds`` says what: its inputs, or a streamed graph's weights), and its
+        backward's ``working_bytes`` above the activations lower the target while it stays
+        above ``minimum``."""
         held = sum(s.planned_bytes + s.resident_bytes for s in self.others)
         if asked.fraction is not None:
             share = asked.fraction * (sum(s.baseline_bytes for s in self.others) + baseline) \
                 - held
             return StepTarget(int(min(max(share, minimum), baseline)))
-        budget = asked.nbytes
+        budget = asked.nbytes - device_bytes
         if budget - held >= minimum:
-            return StepTarget(int(min(budget - held, baseline)))
+            return StepTarget(int(min(max(budget - held - working_bytes, minimum), baseline)))
         step_minimum = minimum + sum(s.minimum_bytes for s in self.others)
         if step_minimum > budget:
+            beside = (f"; a byte budget bounds the device peak, and this graph also holds "
+                      f"{holds or f'{device_bytes} bytes'} on the device" if device_bytes else "")
             raise StormBudgetError(
-                f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is below the minimum "
-                f"feasible for the step: its {len(self.others) + 1} graph(s) compiled so far "
-                f"must hold at least {step_minimum} bytes ({step_minimum / GIB:.3f} GiB) at the "
-                f"end of the forward (outputs, views of inputs, tensors under "
-                f"min_offload_bytes)")
+                f"memory_budget {asked.nbytes} bytes ({asked.nbytes / GIB:.3f} GiB) is below "
+                f"the minimum feasible for the step: its {len(self.others) + 1} graph(s) "
+                f"compiled so far must hold at least {step_minimum} bytes "
+                f"({step_minimum / GIB:.3f} GiB) of activations at the end of the forward "
+                f"(outputs, views of inputs, tensors under min_offload_bytes){beside}")
         return StepTarget(minimum, held + minimum - budget)
+
+    def held_bytes(self) -> int:
+        """What the step's other graphs hold on the device while this graph runs: their
+        planned activations and resident streamed weights."""
+        return sum(s.planned_bytes + s.resident_bytes for s in self.others)
 
     def left_bytes(self, budget: int, own: GraphShare) -> int:
         """What a byte budget leaves once the step's graphs, this one as ``own``, hold what
@@ -174,7 +213,8 @@ class StepBudget:
         self._shares: dict[GraphId, GraphShare] = {}
         self._positions: dict[tuple[int, int], int] = {}
         self._warned = False
-        self._warned_runs = False
+        self._least: dict[GraphId, int] = {}
+        """The least device peak of the plans seen for a graph's runs."""
         self._runs: dict[GraphId, list[int]] = {}
         """Activation bytes each run of a graph whose backward is still to come holds."""
         self._ran: list[GraphId] = []
@@ -229,75 +269,50 @@ class StepBudget:
         """Shares of the other graphs of ``graph``'s step (:meth:`_other_shares`)."""
         return list(self._other_shares(graph).values())
 
-    def run_room(self, graph: GraphId, budget: int, streams: bool) -> int | None:
+    def run_room(self, graph: GraphId, budget: int) -> RunRoom | None:
         """What the next run of the recorded ``graph`` must be planned for under a byte
-        ``budget``, or None when the graph's own plan serves it (see the module docstring): the
-        activation memory the run may hold, or, for a graph that ``streams`` weights (whose
-        plans bound their device peak, weights included), the device peak it may reach beside
-        what the step holds."""
+        ``budget`` (see the module docstring), or None when the graph's own plan serves it."""
         share, runs = self._shares[graph], self._runs.get(graph, [])
         learned = 0 if self._before is None else self._before.count(graph)
         if not runs and learned < 2:
             return None                      # the run its plan was made for
         others = self._other_shares(graph)
-        resident = share.resident_bytes + sum(s.resident_bytes for s in others.values())
-        held = resident + sum(runs) + sum(
+        beside = sum(s.resident_bytes for s in others.values()) + sum(
             sum(self._runs[key]) if self._runs.get(key) else s.planned_bytes
             for key, s in others.items())
-        if streams:
-            return self._peak_room(share, budget, len(runs), learned,
-                                   held - share.resident_bytes)
-        if len(runs) >= learned:
-            if held + share.planned_bytes <= budget:
+        left = budget - beside - sum(runs)
+        if len(runs) >= learned:             # more runs than the last step showed
+            if share.peak_bytes <= left:
                 return None
-            self._warn_runs(held + share.minimum_bytes - budget, len(runs) + 1, True)
-            return share.minimum_bytes
-        planned = resident + sum(s.planned_bytes for s in others.values())
-        room = (budget - planned) // learned
-        if share.planned_bytes <= room:
-            return None
-        if room >= share.minimum_bytes:
-            return room
-        least = learned * share.minimum_bytes + resident + sum(
-            s.minimum_bytes for s in others.values())
-        if least > budget:
+            return RunRoom(max(left, 0), share.fixed_bytes + share.minimum_bytes, known=False)
+        last = self.least_peak(graph)
+        least = last + (learned - 1) * share.minimum_bytes
+        if least > budget - beside:
             raise StormBudgetError(
                 f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one "
-                f"of its compiled graphs runs {learned} times before the backward: at their "
-                f"minimum, its runs ({share.minimum_bytes} bytes each) and the step's other "
-                f"graphs hold {least} bytes ({least / GIB:.3f} GiB). Raise memory_budget, or "
-                f"run fewer forwards per backward")
-        self._warn_runs(learned * share.minimum_bytes + planned - budget, learned, False)
-        return share.minimum_bytes
-
-    def _warn_runs(self, excess: int, runs: int, discovered: bool) -> None:
-        if self._warned_runs or excess <= 0:
-            return
-        self._warned_runs = True
-        cause = ("runs past the first are planned at their minimum in the step that shows "
-                 "them; from the next step on each run is planned for an equal part of the "
-                 "budget" if discovered else
-                 "the step's other graphs, planned before the runs were known, took the room")
-        warnings.warn(
-            f"storm: a compiled graph ran {runs} times before the backward and the step holds "
-            f"{excess} bytes ({excess / GIB:.3f} GiB) of activations over memory_budget: "
-            f"{cause}", RuntimeWarning, stacklevel=3)
-
-    @staticmethod
-    def _peak_room(share: GraphShare, budget: int, runs: int, learned: int,
-                   beside: int) -> int | None:
-        """The device peak a run of a graph that streams weights may reach, with ``runs`` of
-        it and ``beside`` bytes of the step's other holdings (its other graphs' activations and
-        resident weights) already held; None when nothing is (its own plan serves). The first
-        run of a step known to make ``learned`` of them also leaves the later runs their
-        minimum."""
-        if runs == 0:
-            beside += (learned - 1) * share.minimum_bytes
-        if beside == 0:
+                f"of its compiled graphs runs {learned} times before the backward: the last "
+                f"run's backward, at its least predicted peak ({last} bytes), beside the other "
+                f"runs at their minimum ({share.minimum_bytes} bytes each) needs {least} bytes "
+                f"({least / GIB:.3f} GiB), and the step's other graphs hold {beside} bytes. "
+                f"Raise memory_budget, or run fewer forwards per backward")
+        if len(runs) == learned - 1:         # the last: nothing runs beside its backward
+            return None if share.peak_bytes <= left else RunRoom(left, left, known=True)
+        each = (budget - beside - last) // (learned - 1)
+        if share.peak_bytes <= left and share.planned_bytes <= each:
             return None
-        if beside >= budget:
-            raise StormBudgetError(runs_over(budget, beside))
-        return budget - beside
+        return RunRoom(left, share.fixed_bytes + each, known=True)
+
+    def runs_held(self, graph: GraphId) -> int:
+        """Runs of ``graph`` whose backward is still to come."""
+        return len(self._runs.get(graph, ()))
+
+    def least_peak(self, graph: GraphId) -> int:
+        """The least device peak of the plans made for ``graph``'s runs (:meth:`saw_peak`)."""
+        return self._least.get(graph, self._shares[graph].peak_bytes)
+
+    def saw_peak(self, graph: GraphId, peak_bytes: int) -> None:
+        """A plan of one of ``graph``'s runs is predicted to peak at ``peak_bytes``."""
+        self._least[graph] = min(self.least_peak(graph), peak_bytes)
 
     def ran(self, graph: GraphId, planned_bytes: int) -> Callable[[], None]:
         """``graph`` ran a forward whose backward is still to come, holding ``planned_bytes``
@@ -326,6 +341,7 @@ class StepBudget:
     def record(self, graph: GraphId, share: GraphShare) -> None:
         """``graph``'s plan holds ``share``; warn once when it is over a byte budget."""
         self._shares[graph] = share
+        self._least.pop(graph, None)
         self.last = graph
         if share.over_bytes > 0:
             self._warn_over(share.over_bytes)
@@ -347,14 +363,13 @@ class StepBudget:
 
 
 def runs_over(budget: int, held: int) -> str:
-    """Why a run of a graph that streams weights does not fit beside the ``held`` bytes the
-    step holds: the step's ``budget`` and what makes a graph run again before a backward."""
+    """Why a run of a graph does not fit beside the ``held`` bytes the step holds: the step's
+    ``budget`` and what makes a graph run again before a backward."""
     return (f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one of "
-            f"its compiled graphs, which streams weights, runs again before the backward: "
-            f"beside the {held} bytes ({held / GIB:.3f} GiB) the step holds, no plan of that "
-            f"run fits. A graph runs several times before a backward when "
-            f"identical blocks compile to one graph, when a step makes several forwards before "
-            f"one backward (a siamese or GAN step), or when an earlier forward's outputs still "
-            f"hold its autograd graph (a validation loss kept with grad enabled: run validation "
-            f"under torch.no_grad(), or keep loss.item()). Raise memory_budget, or make fewer "
-            f"forwards per backward")
+            f"its compiled graphs runs again before the backward: beside the {held} bytes "
+            f"({held / GIB:.3f} GiB) the step holds, no plan of that run fits. A graph runs "
+            f"several times before a backward when identical blocks compile to one graph, when "
+            f"a step makes several forwards before one backward (a siamese or GAN step), or "
+            f"when an earlier forward's outputs still hold its autograd graph (a validation "
+            f"loss kept with grad enabled: run validation under torch.no_grad(), or keep "
+            f"loss.item()). Raise memory_budget, or make fewer forwards per backward")

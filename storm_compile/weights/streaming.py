@@ -661,21 +661,29 @@ def gradient_accumulation() -> Iterator[None]:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceWeights:
-    """What a forward graph of a streamed model holds on the device besides activations, at
-    most: its resident inputs (small parameters, buffers, the batch), up to the prefetch window
-    of streamed weights copied ahead, and the largest streamed weight while it is read."""
+    """What a forward graph holds on the device besides activations, at most: its resident
+    inputs (parameters left on the device, buffers, the batch) and, for a graph that streams
+    weights, up to the prefetch window of streamed weights copied ahead and the largest
+    streamed weight while it is read."""
 
     resident_bytes: int
-    in_flight_bytes: int
-    largest: fx.Node
-    """The largest streamed weight: a graph input in host memory."""
-    largest_bytes: int
+    in_flight_bytes: int = 0
+    largest: fx.Node | None = None
+    """The largest streamed weight: a graph input in host memory (None: the graph streams
+    none)."""
+    largest_bytes: int = 0
+
+    @property
+    def streams(self) -> bool:
+        return self.largest is not None
 
     @property
     def nbytes(self) -> int:
         return self.resident_bytes + self.in_flight_bytes + self.largest_bytes
 
     def describe(self) -> str:
+        if self.largest is None:
+            return f"its parameters, buffers and inputs ({self.resident_bytes} bytes)"
         value = self.largest.meta["val"]
         shape = "×".join(str(d) for d in value.shape)
         return (f"its resident parameters and inputs ({self.resident_bytes} bytes), up to "
@@ -684,21 +692,22 @@ class DeviceWeights:
                 f"({self.largest.name}, {shape} {value.dtype}, {self.largest_bytes} bytes)")
 
 
-def device_weights(forward: fx.GraphModule, window: int) -> DeviceWeights | None:
-    """The weights ``forward`` holds on the device (:class:`DeviceWeights`); None when it
-    streams none. A streamed weight is a graph input read through ``storm.fetch_weight`` or,
-    once storm rewrote the graph, ``storm.prefetch`` (the forward prefetches nothing else)."""
+def device_weights(forward: fx.GraphModule, window: int) -> DeviceWeights:
+    """The weights ``forward`` holds on the device (:class:`DeviceWeights`). A streamed weight
+    is a graph input read through ``storm.fetch_weight`` or, once storm rewrote the graph,
+    ``storm.prefetch`` (the forward prefetches nothing else)."""
     inputs = forward.graph.find_nodes(op="placeholder")
     copies = (ops.fetch_weight, ops.prefetch)
     streamed = [n for n in inputs if any(u.target in copies for u in n.users)]
-    if not streamed:
-        return None
     sizes = {n: tensor_bytes(n.meta.get("val")) for n in inputs}
+    resident = sum(sizes[n] for n in inputs if n not in streamed)
+    if not streamed:
+        return DeviceWeights(resident)
     constants = graph_constants(forward.graph)
     read = {n: sizes[n] + _rebuilt_bytes(n, constants) for n in streamed}
     largest = max(streamed, key=read.__getitem__)
     return DeviceWeights(
-        resident_bytes=sum(sizes[n] for n in inputs if n not in streamed),
+        resident_bytes=resident,
         in_flight_bytes=min(window, sum(sizes[n] for n in streamed) - sizes[largest]),
         largest=largest, largest_bytes=read[largest])
 

@@ -25,6 +25,7 @@ from storm_compile.planner.step_budget import (
     StepBudget,
     StepView,
 )
+from storm_compile.weights.streaming import device_weights
 
 PLAN_OPTIONS = {**CPU_TEST_OPTIONS, "offload": "hidden", "recompute": True}
 FIRST, SECOND, SECOND_RECOMPILED = GraphId(0, 0, 0), GraphId(1, 0, 0), GraphId(1, 1, 0)
@@ -100,7 +101,7 @@ def _runs(step: StepBudget, graph: GraphId, count: int, budget: int = 100,
         room = step.run_room(graph, budget)
         rooms.append(room)
         planned = step.share(graph).planned_bytes if room is None else planned_in
-        releases.append(step.ran(graph, planned))
+        releases.append(step.ran(graph, planned, measured=True))
     return rooms, releases
 
 
@@ -199,27 +200,32 @@ def _blocks_compiled_one_by_one(budget) -> tuple[nn.Module, torch.Tensor, list]:
     return model, x, captured
 
 
-def _block_graph_bytes() -> tuple[int, int, int]:
+def _block_graph_bytes() -> tuple[int, int, int, int]:
     """One block's graph: its activation memory without storm, what its device peak holds
-    besides them (a byte budget bounds the peak), and its least activation memory."""
+    besides them (a byte budget bounds the peak), its least activation memory, and its inputs
+    (each block's run passes its own weights and hidden state)."""
     model, x, captured = _blocks_compiled_one_by_one(0.25)
     model(x).sum().backward()
     assert len(captured) == 1
     graphs = captured[0]
     return (graphs.plan.baseline.activation_bytes, graphs.share.fixed_bytes,
-            graphs.plan.minimum_bytes)
+            graphs.plan.minimum_bytes, device_weights(graphs.forward, 0).nbytes)
 
 
 def test_a_byte_budget_over_a_block_graph_run_by_every_block_is_shared_by_its_runs():
-    per_block, fixed, minimum = _block_graph_bytes()
+    per_block, fixed, minimum, inputs = _block_graph_bytes()
     torch.manual_seed(0)
     reference, (x,) = build_gpt(BLOCKS_SHAPE)
-    # Room for one run's peak and the others at their minimum: the first step shows the four
-    # runs (those past the first planned at their minimum, over what is left), the next ones
-    # plan the last run for its least peak and share the rest between the first three.
-    budget = fixed + per_block + (BLOCKS_SHAPE.layers - 1) * minimum
+    # Room for one run's peak and the others at their minimum, with their own weights: the
+    # first step shows the four runs (those past the first planned at their minimum, over what
+    # is left), the second measures the weights each run adds, and from the third the last run
+    # keeps room for its least peak and the first three share the rest.
+    budget = fixed + per_block + (BLOCKS_SHAPE.layers - 1) * (minimum + inputs)
     model, x, captured = _blocks_compiled_one_by_one(f"{budget}B")
     with pytest.warns(RuntimeWarning, match="ran again before the backward"):
+        model(x).sum().backward()
+    with warnings.catch_warnings(record=True):
+        model.zero_grad()
         model(x).sum().backward()
     for _ in range(2):
         model.zero_grad()
@@ -240,11 +246,14 @@ def _mlp() -> nn.Module:
                          nn.Linear(512, 64))
 
 
-def _mlp_graph_bytes() -> tuple[int, int]:
-    """Activation memory of :func:`_mlp`'s graph without storm, and what its device peak holds
-    besides them (its least peak is its peak without storm: the weights' gradients)."""
+def _mlp_graph_bytes() -> tuple[int, int, int]:
+    """Activation memory of :func:`_mlp`'s graph without storm, what its device peak holds
+    besides them (its least peak is its peak without storm: the weights' gradients), and its
+    inputs."""
     captured, _ = _captured_step(_mlp(), [torch.randn(64, 64)], memory_budget=0.5)
-    return captured[0].plan.baseline.activation_bytes, captured[0].share.fixed_bytes
+    graphs = captured[0]
+    return (graphs.plan.baseline.activation_bytes, graphs.share.fixed_bytes,
+            device_weights(graphs.forward, 0).nbytes)
 
 
 def _assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
@@ -254,10 +263,11 @@ def _assert_grads_equal(model: nn.Module, reference: nn.Module) -> None:
 
 
 def test_a_siamese_step_shares_a_byte_budget_between_its_two_forwards():
-    activations, fixed = _mlp_graph_bytes()
+    activations, fixed, _ = _mlp_graph_bytes()
+    batch = 64 * 64 * 4                  # the second run's input, held beside the first's
     # One run's peak and half its activations: the second run's backward runs beside the first
     # run's activations.
-    budget = fixed + activations + activations // 2
+    budget = fixed + activations + activations // 2 + batch
     model, reference = _mlp(), _mlp()
     captured = []
     backend = StormBackend(StormConfig.from_options(
@@ -272,21 +282,23 @@ def test_a_siamese_step_shares_a_byte_budget_between_its_two_forwards():
             (run(a) - run(b)).pow(2).mean().backward()
         (reference(a) - reference(b)).pow(2).mean().backward()
         _assert_grads_equal(model, reference)
-    # The first step planned the second run at its minimum; the next ones plan the first run
-    # for what the second run's peak leaves: half the activations.
-    assert [g.plan.target_bytes for g in captured[1:]] == [
-        captured[0].plan.minimum_bytes, activations // 2]
+    # The first step planned the second run at its minimum; once the step has measured the
+    # second run's input, the first run is planned for what the second run's peak leaves: half
+    # the activations.
+    assert captured[1].plan.target_bytes == captured[0].plan.minimum_bytes
+    assert captured[-1].plan.target_bytes == activations // 2
     assert captured[-1].share.planned_bytes <= activations // 2
 
 
 def test_a_gan_step_shares_a_byte_budget_between_its_graphs_and_its_runs():
     generator, discriminator = _mlp(), _mlp()
     references = _mlp(), _mlp()
-    activations, fixed = _mlp_graph_bytes()
-    # The generator's activations, and the discriminator's two runs: one run's peak beside
-    # half the other's activations.
-    backend = storm(**PLAN_OPTIONS,
-                    memory_budget=f"{fixed + 2 * activations + activations // 2}B")
+    activations, fixed, inputs = _mlp_graph_bytes()
+    # The two nets are one graph (the same code, weights as inputs) run twice, then once more
+    # for the generated batch: both nets' weights, one run's peak, and room for the other
+    # runs' activations.
+    budget = fixed + inputs + 2 * activations + activations // 2
+    backend = storm(**PLAN_OPTIONS, memory_budget=f"{budget}B")
     compiled = torch.compile(generator, backend=backend), torch.compile(discriminator,
                                                                        backend=backend)
     torch.manual_seed(1)
@@ -304,7 +316,7 @@ def test_a_gan_step_shares_a_byte_budget_between_its_graphs_and_its_runs():
 def test_a_validation_loss_kept_with_grad_enabled_trains_within_a_byte_budget():
     model, reference = _mlp(), _mlp()
     run = torch.compile(model, backend=storm(
-        **PLAN_OPTIONS, memory_budget=f"{sum(_mlp_graph_bytes())}B"))
+        **PLAN_OPTIONS, memory_budget=f"{sum(_mlp_graph_bytes()[:2])}B"))
     torch.manual_seed(1)
     validation = torch.randn(64, 64)
     kept = run(validation).pow(2).mean()                 # its autograd graph lives on
@@ -324,8 +336,8 @@ def test_a_fraction_budget_over_a_block_graph_holds_for_every_run():
 
 
 def test_runs_whose_outputs_are_dropped_unused_release_their_share():
-    per_block, fixed, minimum = _block_graph_bytes()
-    model, x, captured = _blocks_compiled_one_by_one(f"{fixed + per_block + minimum}B")
+    per_block, fixed, minimum, inputs = _block_graph_bytes()
+    model, x, captured = _blocks_compiled_one_by_one(f"{fixed + per_block + minimum + inputs}B")
     block = model.blocks[0]
     for _ in range(3):
         block(x)                         # each run's autograd graph is freed at once
@@ -337,8 +349,10 @@ def test_runs_whose_outputs_are_dropped_unused_release_their_share():
 
 
 def test_a_byte_budget_with_room_for_every_run_trains():
-    per_block, fixed, _ = _block_graph_bytes()
-    model, x, _ = _blocks_compiled_one_by_one(f"{fixed + BLOCKS_SHAPE.layers * per_block}B")
+    per_block, fixed, _, inputs = _block_graph_bytes()
+    layers = BLOCKS_SHAPE.layers
+    budget = fixed + layers * per_block + (layers - 1) * inputs
+    model, x, _ = _blocks_compiled_one_by_one(f"{budget}B")
     for _ in range(2):
         model(x).sum().backward()
 
@@ -395,9 +409,9 @@ def test_a_graph_planned_in_a_later_step_takes_the_place_of_the_one_run_there():
     step.record(SECOND, _share(400, 400, 400))
     view = step.view(other_side)
     assert sorted(s.planned_bytes for s in view.others) == [300, 400], "no step has finished"
-    for release in [step.ran(FIRST, None), step.ran(SECOND, None)]:
+    for release in [step.ran(FIRST, 0), step.ran(SECOND, 0)]:
         release()
-    step.ran(FIRST, None)
+    step.ran(FIRST, 0)
     assert [s.planned_bytes for s in step.view(other_side).others] == [300]
     assert step.view(other_side).target_bytes(_bytes(800), baseline=500,
                                               minimum=450).nbytes == 500

@@ -325,13 +325,15 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
     device peak the run may reach); a run no plan fits beside what the step holds raises
     :class:`StormBudgetError` saying so. A run also holds the device inputs the step's earlier
     runs of the graph did not pass (another block's weights, a siamese step's second batch):
-    the graph's plan counts one run's inputs."""
+    the graph's plan counts one run's inputs. Only a graph the last step ran several times
+    records its first run's inputs (a graph run once per step pays nothing); in the step that
+    first shows a second run, all of that run's device inputs count."""
     variants: dict[RunRoom, tuple[Callable, GraphShare]] = {}
-    boxed = getattr(compiled, "_boxed_call", False)
     inputs_seen: set[int] = set()
 
     def run(*args: Any) -> Any:
-        chosen, planned = compiled, step.share(graph).planned_bytes
+        chosen, planned, fresh = compiled, step.share(graph).planned_bytes, 0
+        measured = budget is not None and step.runs_expected(graph) > 1
         if budget is not None and torch.is_grad_enabled():
             room = step.run_room(graph, budget)
             if room is not None:
@@ -339,22 +341,30 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
                     variants[room] = _replanned(replan, room, budget)
                     step.saw_peak(graph, variants[room][1].peak_bytes)
                 chosen, planned = variants[room][0], variants[room][1].planned_bytes
-            planned += _new_inputs(args[0] if boxed else args, inputs_seen,
-                                   step.runs_held(graph) == 0)
+            held = step.runs_held(graph)
+            if measured:
+                fresh = _new_inputs(_flat(args), inputs_seen, first=not held)
+            elif held:                   # the first run's inputs were not recorded
+                fresh = _new_inputs(_flat(args), set(), first=False)
         outputs = chosen(*args)
         if not torch.is_grad_enabled():
             return outputs
         node = next((t.grad_fn for t in tree_leaves(outputs)
                      if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
         if node is not None:
-            release = step.ran(graph, planned)
+            release = step.ran(graph, planned, fresh, measured)
             node.register_prehook(lambda grad_outputs: release())
             weakref.finalize(node, release)
         return outputs
 
-    if boxed:
+    if getattr(compiled, "_boxed_call", False):
         run._boxed_call = True
     return run
+
+
+def _flat(args: tuple[Any, ...]) -> Sequence[Any]:
+    """A compiled graph's inputs, called boxed (one list) or not."""
+    return args[0] if len(args) == 1 and isinstance(args[0], list) else args
 
 
 def _new_inputs(args: Sequence[Any], seen: set[int], first: bool) -> int:

@@ -43,12 +43,14 @@ once more for each, :func:`storm_compile.compiler.backend._counting_runs`), and
 * in a step where a graph runs more often than in the last finished step, each further run is
   planned at the graph's minimum (the step learns the count here; storm warns when that run's
   predicted peak does not fit what is left);
-* once a finished step ran a graph ``k`` times, its last run keeps room for the least peak
-  any plan of the graph reached (its backward runs beside the other runs' activations), and
-  the other ``k - 1`` share what is left for activations in equal parts, each run peaking at
-  most at what the runs before it leave; when the last run's least peak beside the others at
-  their minimum does not fit, or a run's plan cannot fit its room, the budget is infeasible
-  (:class:`StormBudgetError`).
+* a run also holds the device inputs the step's earlier runs of the graph did not pass
+  (another block's weights), measured once a step knows the graph runs several times;
+* once a finished step ran a graph ``k`` times and measured those inputs, its last run keeps
+  room for the least peak any plan of the graph reached (its backward runs beside the other
+  runs' activations), and the other ``k - 1`` share what is left, less their inputs, for
+  activations in equal parts, each run peaking at most at what the runs before it leave; when
+  the last run's least peak beside the others at their minimum does not fit, or a run's plan
+  cannot fit its room, the budget is infeasible (:class:`StormBudgetError`).
 
 A fraction budget, or ``"auto"``, holds for every run alike.
 """
@@ -213,6 +215,12 @@ class StepBudget:
         self._shares: dict[GraphId, GraphShare] = {}
         self._positions: dict[tuple[int, int], int] = {}
         self._warned = False
+        self._inputs: dict[GraphId, int] = {}
+        """The most device inputs a run of a graph passed that its step's earlier runs did not,
+        measured in the step under way when it knew the graph runs several times."""
+        self._inputs_known: dict[GraphId, int] = {}
+        """:attr:`_inputs` as the last finished step measured them: until a step has, a run's
+        room is not a known one (:attr:`RunRoom.known`)."""
         self._least: dict[GraphId, int] = {}
         """The least device peak of the plans seen for a graph's runs."""
         self._runs: dict[GraphId, list[int]] = {}
@@ -273,7 +281,7 @@ class StepBudget:
         """What the next run of the recorded ``graph`` must be planned for under a byte
         ``budget`` (see the module docstring), or None when the graph's own plan serves it."""
         share, runs = self._shares[graph], self._runs.get(graph, [])
-        learned = 0 if self._before is None else self._before.count(graph)
+        learned = self.runs_expected(graph)
         if not runs and learned < 2:
             return None                      # the run its plan was made for
         others = self._other_shares(graph)
@@ -285,22 +293,28 @@ class StepBudget:
             if share.peak_bytes <= left:
                 return None
             return RunRoom(max(left, 0), share.fixed_bytes + share.minimum_bytes, known=False)
-        last = self.least_peak(graph)
-        least = last + (learned - 1) * share.minimum_bytes
+        last, inputs = self.least_peak(graph), self._inputs_known.get(graph)
+        known, inputs = inputs is not None, inputs or 0
+        least = last + (learned - 1) * (share.minimum_bytes + inputs)
         if least > budget - beside:
             raise StormBudgetError(
                 f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one "
                 f"of its compiled graphs runs {learned} times before the backward: the last "
                 f"run's backward, at its least predicted peak ({last} bytes), beside the other "
-                f"runs at their minimum ({share.minimum_bytes} bytes each) needs {least} bytes "
+                f"runs at their minimum ({share.minimum_bytes} bytes each, and {inputs} bytes "
+                f"of device inputs the first run did not pass) needs {least} bytes "
                 f"({least / GIB:.3f} GiB), and the step's other graphs hold {beside} bytes. "
                 f"Raise memory_budget, or run fewer forwards per backward")
         if len(runs) == learned - 1:         # the last: nothing runs beside its backward
-            return None if share.peak_bytes <= left else RunRoom(left, left, known=True)
-        each = (budget - beside - last) // (learned - 1)
+            return None if share.peak_bytes <= left else RunRoom(left, left, known)
+        each = (budget - beside - last) // (learned - 1) - inputs
         if share.peak_bytes <= left and share.planned_bytes <= each:
             return None
-        return RunRoom(left, share.fixed_bytes + each, known=True)
+        return RunRoom(left, share.fixed_bytes + each, known)
+
+    def runs_expected(self, graph: GraphId) -> int:
+        """Runs of ``graph`` the last finished step made (0 before one has finished)."""
+        return 0 if self._before is None else self._before.count(graph)
 
     def runs_held(self, graph: GraphId) -> int:
         """Runs of ``graph`` whose backward is still to come."""
@@ -314,12 +328,18 @@ class StepBudget:
         """A plan of one of ``graph``'s runs is predicted to peak at ``peak_bytes``."""
         self._least[graph] = min(self.least_peak(graph), peak_bytes)
 
-    def ran(self, graph: GraphId, planned_bytes: int) -> Callable[[], None]:
+    def ran(self, graph: GraphId, planned_bytes: int, input_bytes: int = 0,
+            measured: bool = False) -> Callable[[], None]:
         """``graph`` ran a forward whose backward is still to come, holding ``planned_bytes``
-        of activations. Returns what to call once the run's backward starts or its autograd
-        graph is gone (either, any number of times); when no run is left waiting, the step has
-        finished."""
+        of activations and ``input_bytes`` of device inputs the step's earlier runs of it did
+        not pass (``measured``: against the first run's; else every device input of a run the
+        last step did not make, an upper bound the ledger does not learn from). Returns what to
+        call once the run's backward starts or its autograd graph is gone (either, any number
+        of times); when no run is left waiting, the step has finished."""
+        if measured:
+            self._inputs[graph] = max(self._inputs.get(graph, 0), input_bytes)
         runs = self._runs.setdefault(graph, [])
+        planned_bytes += input_bytes
         runs.append(planned_bytes)
         self._ran.append(graph)
         released = False
@@ -331,6 +351,7 @@ class StepBudget:
                 runs.remove(planned_bytes)
                 if not any(self._runs.values()):
                     self._before, self._ran = tuple(self._ran), []
+                    self._inputs_known.update(self._inputs)
 
         return release
 

@@ -14,6 +14,10 @@ pytestmark = pytest.mark.gpu
 SHAPE = GPTShape(d_model=256, layers=2, heads=4, seq=512, batch=4, dtype="bfloat16")
 BF16_RTOL = 1e-2
 """Relative gradient-norm error accepted between two bf16 compiled runs (8 mantissa bits)."""
+UNMODELLED = 0.15
+"""How far the measured device peak may exceed a byte budget: storm bounds the peak it predicts
+from what the graphs allocate, and the caching allocator's rounding and Inductor's temporaries
+come on top (10 % on this model, H200: benchmarks/RESULTS.md)."""
 
 
 def _step(backend, steps: int = 1):
@@ -133,7 +137,7 @@ def _outside(model, *inputs) -> int:
 def test_a_byte_budget_bounds_the_steps_device_peak():
     """A byte budget below the step's peak without storm (the peak storm predicts for half the
     activations): the step's device memory at its peak, inputs, activations, gradients and
-    working set, stays within it."""
+    working set, stays within it and what storm does not model."""
     torch.manual_seed(0)
     model, (x,) = build_gpt(SHAPE, "cuda")
 
@@ -156,7 +160,7 @@ def test_a_byte_budget_bounds_the_steps_device_peak():
     run(x).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - outside
-    assert peak <= budget, (peak, budget)
+    assert peak <= budget * (1 + UNMODELLED), (peak, budget)
 
 
 def test_a_siamese_step_holds_a_byte_budget_on_device():
@@ -187,6 +191,6 @@ def test_a_siamese_step_holds_a_byte_budget_on_device():
     reference = torch.compile(model, backend="inductor")
     (reference(x).float() - reference(y).float()).pow(2).mean().backward()
     eager_loss = 8 * a.nbytes            # a and b in float32, their difference, its square
-    assert peak <= budget + eager_loss, (peak, budget)
+    assert peak <= budget * (1 + UNMODELLED) + eager_loss, (peak, budget)
     assert _rel_error(grads, {n: p.grad.float() for n, p in model.named_parameters()}) \
         < BF16_RTOL

@@ -126,18 +126,20 @@ def summarise(nodes: list[Priced]) -> list[dict]:
 
 
 def measure_model(name: str, smoke: bool) -> list[Priced]:
-    """Zoo model ``name``'s priced nodes, its graphs captured from one step under storm."""
+    """Zoo model ``name``'s priced nodes, its graphs priced as storm plans them in one step."""
     cuda = not smoke
     torch.manual_seed(0)
     case = model_zoo.build(name, "tiny" if smoke else "bench", "cuda" if cuda else "cpu",
                            torch.float32 if smoke else torch.bfloat16)
     config = StormConfig.from_options(**({"inner": "eager"} if smoke else {}))
-    captured: list = []
-    backend = StormBackend(config, observer=captured.append)
+    roofline, measured = CostModel(profile_for(config.profile)), MeasuredCosts(case.device)
+    nodes: list[Priced] = []
+    # Priced as storm hands them on: Inductor then rewrites the graphs, dropping nodes' meta.
+    backend = StormBackend(config, observer=lambda graphs: nodes.extend(
+        price_graphs([graphs], roofline, measured)))
     run = torch.compile(case.model, backend=backend)
     case.loss(run(*case.inputs)).backward()
-    roofline = CostModel(profile_for(config.profile))
-    return price_graphs(captured, roofline, MeasuredCosts(case.device))
+    return nodes
 
 
 def markdown(results: dict) -> str:

@@ -401,6 +401,18 @@ def test_fraction_budget_holds_over_graph_breaks():
     assert small.target_bytes == small.minimum_bytes > 0.5 * small.baseline.activation_bytes
 
 
+def test_a_graph_whose_peak_the_earlier_graphs_left_no_room_for_warns_and_trains():
+    """A byte budget the second graph's peak fits alone, planned after the first graph kept all
+    its activations: the second keeps its least plan, and storm says why."""
+    torch.manual_seed(0)
+    captured, _ = _captured_step(BrokenMLP(), (torch.randn(64, 16),), memory_budget=0.5)
+    large = captured[1]
+    budget = large.share.fixed_bytes + large.plan.baseline.activation_bytes
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="compiled before this one .* took the room"):
+        _captured_step(BrokenMLP(), (torch.randn(64, 16),), memory_budget=f"{budget}B")
+
+
 def test_a_graph_planned_in_a_later_step_takes_the_place_of_the_one_run_there():
     """Once a step has finished, a new graph is planned beside the graphs the step ran before
     it and those the last step ran after the point it takes, not beside the one it replaces."""

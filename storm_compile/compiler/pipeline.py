@@ -244,8 +244,9 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
        window, at most :data:`PEAK_ROUNDS` times (:func:`_fit_peak`), once with the window
        spared while the activations can take the excess and once with both lowered; keep the
        fitting plan with the faster predicted step; raise :class:`StormBudgetError` stating the
-       least peak seen and where it is when neither fits (a run the step's ledger planned
-       again keeps its plan with a warning, ``Limits.peak_error``);
+       least peak seen and where it is when neither fits the budget; keep the least with a
+       warning when it fits the budget but not beside what the step's earlier graphs hold, or
+       for a run the step's ledger planned again (``Limits.peak_error``);
     2. for a graph that streams weights, plan again with the room the fitting plan left
        (``PassContext.resident_room``) for ``plan_weights`` to keep weights on the device
        (:func:`_with_residents`), and, unless
@@ -276,15 +277,20 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
             fastest = min(fits, key=lambda fit: fit.prediction.step_s)
             planned, prediction, ctx, peak, first = (fastest.graphs, fastest.prediction,
                                                      fastest.ctx, fastest.peak, fastest.decided)
-        elif ctx.limits.peak_error:
+        elif ctx.limits.peak_error and least.nbytes > budget:
             raise _over_budget(budget, room, least, asked)
         else:
+            cause = ("a compiled graph ran again before the backward, and the step that first "
+                     "shows a run plans it at its minimum beside what the earlier runs hold; "
+                     "from the next step on the runs share the budget"
+                     if not ctx.limits.peak_error else
+                     "the step's graphs compiled before this one were planned before it "
+                     "existed and took the room; a fraction budget (such as 0.5) shares the "
+                     "step between its graphs as they arrive")
             warnings.warn(
-                f"storm: a compiled graph ran again before the backward, and its run's least "
-                f"predicted peak, {least.nbytes} bytes ({least.nbytes / GIB:.3f} GiB), is over "
-                f"the {room} bytes the step's memory_budget leaves it: the step that first "
-                f"shows a run plans it at its minimum beside what the earlier runs hold; from "
-                f"the next step on the runs share the budget", RuntimeWarning, stacklevel=2)
+                f"storm: this graph's least predicted peak, {least.nbytes} bytes "
+                f"({least.nbytes / GIB:.3f} GiB), is over the {room} bytes the step's "
+                f"memory_budget leaves it: {cause}", RuntimeWarning, stacklevel=2)
             return _with_peak(least.graphs, least.nbytes)
     if not streams:
         return _with_peak(planned, peak)

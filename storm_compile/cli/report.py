@@ -261,9 +261,8 @@ def format_storages(annotated: dict[str, object], title: str) -> str:
                               f"{_size(s['activation_bytes'])} ("
                               f"{_change(s['baseline_activation_bytes'], s['activation_bytes'])})"),
         ("peak memory", f"{_size(s['baseline_peak_bytes'])} → {_size(s['peak_bytes'])} "
-                        f"({_change(s['baseline_peak_bytes'], s['peak_bytes'])}) above "
-                        f"inputs; {_size(s['device_bytes'])} with them, what a byte "
-                        f"budget bounds"),
+                        f"({_change(s['baseline_peak_bytes'], s['peak_bytes'])}); "
+                        f"{_size(s['device_bytes'])} with the inputs"),
         ("offloaded", f"{_size(s['offloaded_bytes'])}, exposed transfer "
                       f"{s['exposed_transfer_ms']:.2f} ms"),
         ("recomputed", f"{_size(s['recomputed_bytes'])}, {s['recompute_ms']:.2f} ms in the "

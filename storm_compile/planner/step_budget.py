@@ -306,7 +306,8 @@ class StepBudget:
                 f"({least / GIB:.3f} GiB), and the step's other graphs hold {beside} bytes. "
                 f"Raise memory_budget, or run fewer forwards per backward")
         if len(runs) == learned - 1:         # the last: nothing runs beside its backward
-            return None if share.peak_bytes <= left else RunRoom(left, left, known)
+            room = max(left, 0)
+            return None if share.peak_bytes <= left else RunRoom(room, room, known)
         each = (budget - beside - last) // (learned - 1) - inputs
         if share.peak_bytes <= left and share.planned_bytes <= each:
             return None

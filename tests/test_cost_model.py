@@ -6,7 +6,14 @@ import json
 import pytest
 import torch
 
-from storm_compile.cost.cost_model import ATTENTION_EFFICIENCY, CostModel, materialized, node_flops
+from storm_compile.cost.cost_model import (
+    ATTENTION_EFFICIENCY,
+    CostModel,
+    channels_last_graph,
+    materialized,
+    node_flops,
+    realized_values,
+)
 from storm_compile.cost.profiles import PROFILES, DeviceProfile
 from storm_compile.cost.simulate import _Link
 from storm_compile.fx.vocabulary import Lane
@@ -183,3 +190,85 @@ def test_an_nf4_weight_is_rebuilt_in_one_kernel_that_writes_only_the_weight():
                and n.meta["val"].dim() > 0 and n.meta["val"].numel() >= 64 * 128}
     assert torch.int64 not in written and torch.float32 not in written
     assert torch.bfloat16 in written
+
+
+def _traced(fn, *shapes, dtype=torch.float32):
+    """``fn`` traced with fake inputs of ``shapes``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        return make_fx(fn)(*(torch.empty(s, dtype=dtype) for s in shapes))
+
+
+def _silu_input(gm) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sigmoid.default).args[0]
+
+
+def test_a_fused_value_read_twice_is_written_once_its_expression_reads_over_four_buffers():
+    """Inductor writes a normalized value a SiLU reads twice (its sigmoid and its product)
+    when the normalization reads five buffers, and keeps it in registers when it reads four."""
+    def silu(y):
+        return y * torch.sigmoid(y)
+
+    five = _traced(lambda x, mean, rstd, w, b: silu((x - mean) * rstd * w + b), *[(8, 32)] * 5)
+    four = _traced(lambda x, mean, rstd, w: silu((x - mean) * rstd * w), *[(8, 32)] * 4)
+    assert _silu_input(five) in realized_values(five.graph)
+    assert _silu_input(four) not in realized_values(four.graph)
+    assert not materialized(_silu_input(five))
+
+
+def _convolution_backward(channels_last: bool, dtype: torch.dtype) -> tuple[int, int]:
+    """Workspace bytes storm prices for a convolution's backward, and its input's and output
+    gradient's bytes."""
+    def backward(grad, x, w):
+        return torch.ops.aten.convolution_backward(grad, x, w, [0], [1, 1], [1, 1], [1, 1],
+                                                   False, [0, 0], 1, [True, True, False])
+
+    gm = _traced(backward, (2, 8, 16, 16), (2, 16, 16, 16), (8, 16, 3, 3), dtype=dtype)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    grad, x = (node.args[i].meta["val"] for i in (0, 1))
+    size = dtype.itemsize
+    return (CostModel(TEST).workspace_bytes(node, channels_last),
+            (x.numel() + grad.numel()) * size)
+
+
+def test_a_half_precision_convolution_backward_holds_its_input_and_gradient_bytes_while_it_runs():
+    workspace, operands = _convolution_backward(channels_last=False, dtype=torch.bfloat16)
+    assert workspace == operands
+    assert _convolution_backward(channels_last=True, dtype=torch.bfloat16)[0] == 0
+    assert _convolution_backward(channels_last=False, dtype=torch.float32)[0] == 0
+
+
+def test_an_attention_backward_holds_a_float32_query_gradient_while_it_runs():
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).sum()
+
+    shape = (1, 2, 128, 64)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        inputs = [torch.empty(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        gm = make_fx(lambda q, k, v: torch.autograd.grad(attend(q, k, v), q)[0])(*inputs)
+    node = next(n for n in gm.graph.nodes if "attention" in str(n.target)
+                and "backward" in str(n.target))
+    assert CostModel(TEST).workspace_bytes(node, False) == 2 * 2 * 128 * 64 * 2
+
+
+def _conv_net(channels: tuple[int, ...]):
+    def net(x, *weights):
+        for w in weights:
+            x = torch.nn.functional.conv2d(x, w, padding=1)
+        return x
+
+    shapes = [(2, channels[0], 8, 8)] + [(cout, cin, 3, 3)
+                                         for cin, cout in zip(channels, channels[1:])]
+    return _traced(net, *shapes)
+
+
+def test_inductor_lays_out_channels_last_unless_a_convolution_narrows_or_all_are_small():
+    assert channels_last_graph(_conv_net((3, 128, 128)).graph)
+    assert not channels_last_graph(_conv_net((3, 192, 64)).graph)
+    assert not channels_last_graph(_conv_net((3, 32, 32)).graph)
+    assert not channels_last_graph(_traced(torch.mm, (4, 4), (4, 4)).graph)

@@ -120,6 +120,101 @@ def materialized(node: fx.Node) -> bool:
     return False
 
 
+CONV_BACKWARD_WORKSPACE = 1.0
+"""A half-precision convolution's backward over tensors in (N, C, H, W) order allocates a
+workspace of its input's and its output gradient's bytes while it runs (cuDNN on an H200, bf16:
+515 MiB for a 384 MiB input and a 128 MiB gradient, 258 MiB for two of 128 MiB); over
+channels-last tensors a few MiB."""
+ATTENTION_BACKWARD = frozenset({
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+})
+ATTENTION_BACKWARD_ACCUMULATOR = 2.0
+"""An attention backward accumulates the query's gradient in float32 while it runs: twice a
+half-precision query's bytes (cuDNN on an H200: 37.5 MiB for an 18.5 MiB query)."""
+
+
+NODES_PER_CONVOLUTION = 300
+"""Inductor lays a training graph's convolutions out channels-last unless the graph has this
+many nodes per convolution or more (``GraphLowering.decide_layout_opt``, torch 2.11 and 2.13)."""
+SMALL_CHANNELS = 64
+"""... nor when every convolution has at most this many channels in and out."""
+
+
+def channels_last_graph(graph: fx.Graph) -> bool:
+    """Whether Inductor lays ``graph``'s convolutions out channels-last: its training heuristic,
+    which declines for few convolutions among many nodes, for dynamic shapes, for grouped
+    convolutions, for
+    convolutions with twice as many channels in as out (a U-Net's decoder), and for small
+    channel counts only."""
+    convolutions = graph.find_nodes(op="call_function", target=aten.convolution.default)
+    if not convolutions or len(graph.nodes) >= NODES_PER_CONVOLUTION * len(convolutions):
+        return False
+    if any(isinstance(size, torch.SymInt) for node in convolutions
+           for value in (_value(node.args[0]), _value(node.args[1])) for size in value.shape):
+        return False
+    weights = [(node, _value(node.args[1])) for node in convolutions]
+    if any(node.args[-1] > 1 and w.size(1) > 1 for node, w in weights):
+        return False
+    if any(w.size(0) * 2 <= w.size(1) and w.size(2) > 1 for _, w in weights):
+        return False
+    return not all(w.size(0) <= SMALL_CHANNELS and w.size(1) <= SMALL_CHANNELS
+                   for _, w in weights)
+
+
+REUSE_READS = 4
+"""Inductor's ``realize_reads_threshold`` (torch 2.11 and 2.13): a fused value read by several
+nodes is written to memory once its inlined expression reads more than this many buffers. A
+group norm's normalized value (its input, mean, inverse deviation, weight and bias) is one: a
+recomputed U-Net decoder's float32 value of 768 MiB, written beside its bfloat16 copy."""
+REUSE_OPS = 30
+"""Inductor's ``realize_opcount_threshold``: a fused value read by several nodes is also written
+once its inlined expression holds more than this many ops."""
+INLINE_OPS = 100
+"""Inductor writes any fused value whose inlined expression holds more than this many ops."""
+
+
+def realized_values(graph: fx.Graph) -> set[fx.Node]:
+    """The call nodes of ``graph`` whose outputs Inductor writes to memory: every
+    :func:`materialized` node, and the fused values its lowering writes because several nodes
+    read an expression that reads many buffers (:data:`REUSE_READS`) or holds many ops
+    (:data:`REUSE_OPS`, :data:`INLINE_OPS`). Reductions count as buffers their readers read.
+    One walk in graph order; views read what their base reads."""
+    realized: set[fx.Node] = set()
+    reads: dict[fx.Node, frozenset[fx.Node]] = {}
+    inlined_ops: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if is_view(node):
+            base = node.args[0]
+            reads[node] = reads.get(base, frozenset((base,)))
+            inlined_ops[node] = inlined_ops.get(base, 0)
+            continue
+        if node.op != "call_function" or not is_fusible(node) or materialized(node):
+            if node.op == "call_function":
+                realized.add(node)
+            reads[node], inlined_ops[node] = frozenset((node,)), 0
+            continue
+        inputs = node.all_input_nodes
+        expression = frozenset().union(*(reads.get(a, frozenset((a,))) for a in inputs))
+        count = 1 + sum(inlined_ops.get(a, 0) for a in inputs)
+        if node.target in FUSIBLE_REDUCTIONS or count > INLINE_OPS or (
+                _reused(node) and (len(expression) > REUSE_READS or count > REUSE_OPS)):
+            realized.add(node)
+            reads[node], inlined_ops[node] = frozenset((node,)), 0
+        else:
+            reads[node], inlined_ops[node] = expression, count
+    return realized
+
+
+def _reused(node: fx.Node) -> bool:
+    """Whether several nodes read ``node``'s value, directly or through one of its views (each
+    view's readers count on their own, as Inductor's lowering counts them)."""
+    return len(node.users) > 1 or any(
+        is_view(user) and user.args and user.args[0] is node and _reused(user)
+        for user in node.users)
+
+
 def _value(arg):
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
@@ -304,6 +399,24 @@ class CostModel:
         launch = self.profile.launch_s if materialized(node) else 0.0
         return max(node_flops(node) / rate, (reads + writes) / self.profile.memory_bandwidth,
                    launch)
+
+    def workspace_bytes(self, node: fx.Node, channels_last: bool) -> int:
+        """Device bytes ``node`` allocates for itself while it runs, beside its outputs: a
+        half-precision convolution's backward in a pair Inductor does not lay out channels-last
+        (``channels_last``: :func:`channels_last_graph` of its forward;
+        :data:`CONV_BACKWARD_WORKSPACE`), and an attention backward's float32 accumulator of the
+        query's gradient (:data:`ATTENTION_BACKWARD_ACCUMULATOR`)."""
+        packet = getattr(node.target, "overloadpacket", None)
+        packet = FLOP_ALIASES.get(packet, packet)
+        if packet is aten.convolution_backward:
+            grad, value = _value(node.args[0]), _value(node.args[1])
+            if value.dtype in HALF_PRECISION and not channels_last:
+                return int(CONV_BACKWARD_WORKSPACE * (tensor_bytes(value) + tensor_bytes(grad)))
+            return 0
+        if packet in ATTENTION_BACKWARD:
+            query = _value(node.args[1])
+            return int(ATTENTION_BACKWARD_ACCUMULATOR * tensor_bytes(query))
+        return 0
 
     def host_add_seconds(self, nbytes: int) -> float:
         """Seconds the host takes to add a gradient of ``nbytes`` into its parameter's grad."""

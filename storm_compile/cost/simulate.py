@@ -27,7 +27,12 @@ import dataclasses
 import torch
 from torch import fx
 
-from storm_compile.cost.cost_model import CostModel, materialized
+from storm_compile.cost.cost_model import (
+    CostModel,
+    channels_last_graph,
+    is_fusible,
+    realized_values,
+)
 from storm_compile.fx.graphs import StormGraphs, output_node, saved_values
 from storm_compile.fx.prediction import (
     CopyTiming,
@@ -145,6 +150,8 @@ class _Memory:
                 if user.op == "output":
                     self.escapes.add(owner)
                 self.last_use[owner] = max(self.last_use.get(owner, order[node]), order[user])
+        self.realized = realized_values(graph)
+        """The nodes whose outputs Inductor writes to memory."""
         self.release_at: dict[int, list[fx.Node]] = collections.defaultdict(list)
         for owner, index in self.last_use.items():
             if owner not in self.escapes:
@@ -214,10 +221,32 @@ class _Walked:
     """Time ``wait_host`` waited for the host thread once the copies were done."""
 
 
+def _running_bytes(node: fx.Node, cost: CostModel, channels_last: bool) -> int:
+    """Device bytes ``node`` holds while it runs beyond what is live before it: its workspace
+    and, for an op returning several tensors (allocated by the items that read them), those
+    tensors."""
+    value = node.meta.get("val")
+    several = isinstance(value, (tuple, list)) and not is_fusible(node)
+    outputs = tensor_bytes(value) if several else 0
+    return cost.workspace_bytes(node, channels_last) + outputs
+
+
+def _laid_out_inputs(graph: fx.Graph) -> list[fx.Node]:
+    """The forward's inputs Inductor copies channels-last for its convolutions (the batch and
+    the weights, when :func:`channels_last_graph`): a copy of each, made as the forward starts,
+    which the backward reads in the input's place when the input is saved."""
+    read = {node.args[index] for node in graph.find_nodes(
+        op="call_function", target=torch.ops.aten.convolution.default) for index in (0, 1)}
+    return [n for n in graph.find_nodes(op="placeholder")
+            if n in read and isinstance(n.meta.get("val"), torch.Tensor)
+            and not n.meta["val"].is_contiguous(memory_format=torch.channels_last)]
+
+
 def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _HostThread,
           start: float, live: int, held: list[fx.Node], host_inputs: set[fx.Node],
-          baseline: int, timings: list[NodeTiming]) -> _Walked:
-    """Run one graph from ``live`` bytes, of which ``held`` are inputs it may release."""
+          baseline: int, timings: list[NodeTiming], channels_last: bool) -> _Walked:
+    """Run one graph from ``live`` bytes, of which ``held`` are inputs it may release (or copies
+    of them); ``channels_last``: whether Inductor lays the pair's convolutions out so."""
     memory = _Memory(gm.graph, host_inputs)
     allocated = {node: _storage_bytes(node) for node in held}
     t, peak, stall, host_wait = start, live, 0.0, 0.0
@@ -242,8 +271,10 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _Ho
             t += cost.compute_seconds(node)
         else:
             lane = Lane.NONE
+        if lane is Lane.COMPUTE:
+            peak = max(peak, live + _running_bytes(node, cost, channels_last))
         if node.op == "call_function" and memory.owners[node] is node \
-                and isinstance(node.meta.get("val"), torch.Tensor) and materialized(node):
+                and isinstance(node.meta.get("val"), torch.Tensor) and node in memory.realized:
             allocated[node] = _storage_bytes(node)
             live += allocated[node]
             peak = max(peak, live)
@@ -263,19 +294,25 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False) -> Predi
     timings: list[NodeTiming] = []
     inputs = set(fw.graph.find_nodes(op="placeholder"))
     baseline = sum(_storage_bytes(n) for n in inputs)
-    forward = _walk(fw, "fw", cost, link, host, 0.0, baseline, [], set(), baseline, timings)
+    channels_last = channels_last_graph(fw.graph)
+    laid_out = _laid_out_inputs(fw.graph) if channels_last else []
+    forward = _walk(fw, "fw", cost, link, host, 0.0,
+                    baseline + sum(_storage_bytes(n) for n in laid_out), laid_out, set(),
+                    baseline, timings, channels_last)
 
-    input_views = {n.name for n in saved_values(graphs) if storage_owner(n).op == "placeholder"}
+    saved_inputs = {n.name: storage_owner(n) for n in saved_values(graphs)
+                    if storage_owner(n).op == "placeholder"}
     bw_inputs = list(bw.graph.find_nodes(op="placeholder"))
     host_inputs = {n for n in bw_inputs if any(u.target is ops.prefetch for u in n.users)}
-    persistent = {n for n in bw_inputs if n.name in input_views}
+    persistent = {n for n in bw_inputs if n.name in saved_inputs}
     on_device = [n for n in bw_inputs if n not in persistent and n not in host_inputs]
+    copied = [n for n in persistent if saved_inputs[n.name] in laid_out]
     visible = [n for n in output_node(fw).args[0][:graphs.num_fwd_outputs]
                if isinstance(n, fx.Node)]
     bw_live = baseline + sum(_storage_bytes(n) for n in visible) + sum(
-        _storage_bytes(n) for n in on_device)
-    backward = _walk(bw, "bw", cost, link, host, forward.end_s, bw_live, on_device, host_inputs,
-                     baseline, timings)
+        _storage_bytes(n) for n in on_device + copied)
+    backward = _walk(bw, "bw", cost, link, host, forward.end_s, bw_live, on_device + copied,
+                     host_inputs, baseline, timings, channels_last)
     copies = []
     for name, gm in (("fw", fw), ("bw", bw)):
         for target, lane in COPY_LANES.items():

@@ -8,7 +8,8 @@ timed with CUDA events (median), activation memory (allocated at the end of the 
 before it: what the step holds for the backward), the step's peak above the same baseline
 (after ``reset_peak_memory_stats``), the step peak a byte budget bounds (the peak less what the
 process held besides the parameters and the batch before the step: cuBLAS's workspaces, what
-earlier methods left), and the largest relative gradient error against ``compile``. A method
+earlier methods left) beside the one storm predicted (its simulator's device peak of the
+graph that peaks highest), and the largest relative gradient error against ``compile``. A method
 that fails records its error in its row and the run goes on.
 
     python -m benchmarks.zoo_memory --out DIR [--models llama,gpt2] [--steps 10]
@@ -36,8 +37,9 @@ from benchmarks import model_zoo
 from benchmarks.activation_memory import (CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _gib,
                                           _grad_error, _minus, _ratio)
 from benchmarks.compile_time import error_line, write
-from storm_compile import storm
+from storm_compile import StormBackend, StormConfig
 from storm_compile.config import PRESETS
+from storm_compile.cost.simulate import device_bytes, simulate
 
 REFERENCE = "compile"
 PEAK_FRACTIONS = (0.9, 0.75)
@@ -68,13 +70,18 @@ def budget_bytes(method: str, reference_peak: int | None) -> int | None:
 
 
 def wrap(method: str, model: nn.Module, storm_options: dict | None = None,
-         budget: int | None = None) -> Callable:
+         budget: int | None = None, predicted: list[int] | None = None) -> Callable:
     """``model`` compiled by ``method``: Inductor, the storm preset of that name, or a byte
-    ``budget``, with ``storm_options`` on top."""
+    ``budget``, with ``storm_options`` on top; storm's predicted device peak of each graph it
+    plans goes in ``predicted``."""
     if method == REFERENCE:
         return torch.compile(model)
     options = {"memory_budget": f"{budget}B"} if budget is not None else PRESETS[method]
-    return torch.compile(model, backend=storm(**{**options, **(storm_options or {})}))
+    backend = StormBackend(StormConfig.from_options(**{**options, **(storm_options or {})}))
+    if predicted is not None:
+        backend = StormBackend(backend.config, observer=lambda graphs: predicted.append(
+            device_bytes(graphs, simulate(graphs, backend.ctx.cost))))
+    return torch.compile(model, backend=backend)
 
 
 def _zero_grads(model: nn.Module) -> None:
@@ -98,7 +105,8 @@ def run_method(name: str, method: str, dev: _Device, args, reference: dict | Non
     case = model_zoo.build(name, args.size, device=args.device, dtype=args.dtype)
     inputs = case.batch(DATA_SEED)
     budget = budget_bytes(method, reference_peak)
-    run = wrap(method, case.model, None if dev.cuda else CPU_STORM_OPTIONS, budget)
+    predicted: list[int] = []
+    run = wrap(method, case.model, None if dev.cuda else CPU_STORM_OPTIONS, budget, predicted)
     held: dict[str, int | None] = {}
 
     def step() -> None:
@@ -127,6 +135,7 @@ def run_method(name: str, method: str, dev: _Device, args, reference: dict | Non
            "activation_gib": _gib(held["activation"]), "peak_gib": _gib(peak),
            "step_peak": None if peak is None else peak + graph_inputs,
            "budget_gib": _gib(budget),
+           "predicted_peak": max(predicted, default=None),
            "grads": _grads(case.model)}
     if reference is not None:
         row["grad_rel_error"] = _grad_error(row["grads"], reference)
@@ -178,6 +187,7 @@ def markdown(rows: list[dict]) -> str:
             "act GiB": r["activation_gib"], "peak GiB": r["peak_gib"],
             "peak > compile": _peak_above_reference(r, ref),
             "step peak GiB": _gib(r["step_peak"]),
+            "predicted GiB": _gib(r.get("predicted_peak")),
             "budget GiB": r["budget_gib"], "within budget": _within(r),
             "grad err": r.get("grad_rel_error"),
         })

@@ -181,8 +181,11 @@ def test_zoo_memory_smoke_writes_table_and_json(tmp_path):
     assert [r for r in rows if "error" in r] == []
     assert all(r["step_ms"] > 0 for r in rows)
     assert all(r["grad_rel_error"] < 1e-3 for r in rows if r["method"] != zoo_memory.REFERENCE)
+    assert all((r["predicted_peak"] is None) == (r["method"] == zoo_memory.REFERENCE)
+               for r in rows)
     table = (tmp_path / "results.md").read_text()
     assert "| storm-budget-0.5 " in table and "peak > compile" in table
+    assert "predicted GiB" in table
 
 
 def test_zoo_memory_failing_method_is_reported_and_run_continues(tmp_path, monkeypatch):

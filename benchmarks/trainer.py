@@ -61,12 +61,10 @@ variant, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import gc
 import inspect
-import linecache
 import os
 import platform
 import statistics
@@ -87,6 +85,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallbac
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, _Device, _ratio
 from benchmarks.compile_time import error_line, write
+from benchmarks.peak_history import HISTORY_ENTRIES, peak_owners
 from benchmarks.step_overhead import _paired_ratio, run_benchmark, timed_rounds
 from benchmarks.streaming import ALLOCATOR, SMOKE_RESIDENT_BYTES
 from storm_compile import storm
@@ -153,16 +152,6 @@ LORA_STEP_ROUNDS = 30
 PHASES = ("forward-backward", "optimizer")
 """The phases of a Trainer step whose peaks are taken apart: up to ``on_pre_optimizer_step``
 (forward, backward, clipping), then the optimizer step and ``zero_grad``."""
-HISTORY_ENTRIES = 1_000_000
-"""Allocator events recorded for ``--peak-history``: one step of a 1B model makes some 10^4."""
-TORCH_FRAMES = ("/torch/", "<frozen ")
-"""Frames :func:`owner` passes over: torch's own code says less of who allocated a block than
-the generated kernel or the model line that called it."""
-OWNER_FRAMES = 2
-OWNER_TEXT = 90
-"""Characters of a frame's source line :func:`owner` keeps (a buffer's allocation with its
-shape fits)."""
-OWNER_ROWS = 12
 SMOKE_COUNTS = {"steps": 3, "loss_steps": 3, "warmup": 1, "rounds": 3}
 """``--smoke``: enough steps to time one after the warm-up."""
 SMOKE_COMPILER = "aot_eager_decomp_partition"
@@ -353,47 +342,6 @@ class StepTimer(TrainerCallback):
 
     def peak(self) -> int | None:
         return max(self.peaks.values()) if self.dev.cuda else None
-
-
-def owner(frames: list[dict]) -> str:
-    """Who allocated a block: the first two Python frames outside torch (generated Inductor
-    code, storm, transformers, the Trainer), each with its source line where it can be read."""
-    kept = [f for f in frames if f["filename"].endswith(".py")
-            and not any(part in f["filename"] for part in TORCH_FRAMES)]
-    return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}"
-                      f" `{linecache.getline(f['filename'], f['line']).strip()[:OWNER_TEXT]}`"
-                      for f in kept[:OWNER_FRAMES]) or "torch"
-
-
-def peak_owners(trace: list[dict], before: int) -> dict:
-    """Where a recorded step's device peak lies, from the allocator's ``trace`` of it (the
-    events of ``torch.cuda.memory._snapshot()["device_traces"]``) and the bytes allocated when
-    it began: the bytes allocated at the peak, the frames of the allocation that reached it, and
-    the blocks live there grouped by :func:`owner` (largest first, :data:`OWNER_ROWS` of them;
-    what was allocated before the step and is still live there is one row)."""
-    current = peak = before
-    peak_index = -1
-    for index, entry in enumerate(trace):
-        if entry["action"] == "alloc":
-            current += entry["size"]
-            if current > peak:
-                peak, peak_index = current, index
-        elif entry["action"] == "free_completed":
-            current -= entry["size"]
-    live: dict[int, dict] = {}
-    for entry in trace[:peak_index + 1]:
-        if entry["action"] == "alloc":
-            live[entry["addr"]] = entry
-        elif entry["action"] == "free_completed":
-            live.pop(entry["addr"], None)
-    groups: dict[str, int] = collections.Counter()
-    for entry in live.values():
-        groups[owner(entry["frames"])] += entry["size"]
-    groups["allocated before the step, still live"] = peak - sum(groups.values())
-    return {"peak_gib": peak / GIB, "before_gib": before / GIB,
-            "reached_by": owner(trace[peak_index]["frames"]) if peak_index >= 0 else "",
-            "owners": [{"gib": size / GIB, "owner": name}
-                       for name, size in groups.most_common(OWNER_ROWS)]}
 
 
 def offload_available() -> bool:

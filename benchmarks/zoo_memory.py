@@ -9,11 +9,15 @@ before it: what the step holds for the backward), the step's peak above the same
 (after ``reset_peak_memory_stats``), the step peak a byte budget bounds (the peak less what the
 process held besides the parameters and the batch before the step: cuBLAS's workspaces, what
 earlier methods left) beside the one storm predicted (its simulator's device peak of the
-graph that peaks highest), and the largest relative gradient error against ``compile``. A method
+graph that peaks highest), and the largest relative gradient error against ``compile``. With
+``--peak-history``, the allocator records the listed methods' measured step and the results
+list what is live at its peak (:mod:`benchmarks.peak_history`). A method
 that fails records its error in its row and the run goes on.
 
     python -m benchmarks.zoo_memory --out DIR [--models llama,gpt2] [--steps 10]
     python -m benchmarks.zoo_memory --methods compile,storm-peak-0.75 --out DIR
+    python -m benchmarks.zoo_memory --models unet --methods compile,storm-peak-0.75 \
+        --peak-history storm-peak-0.75 --out DIR
     python -m benchmarks.zoo_memory --smoke --out DIR     # CPU, tiny sizes: the harness itself
 
 Writes ``results.md`` (one tabulate table, model × method) and ``results.json``.
@@ -22,6 +26,7 @@ Writes ``results.md`` (one tabulate table, model × method) and ``results.json``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import platform
 import statistics
@@ -37,6 +42,7 @@ from benchmarks import model_zoo
 from benchmarks.activation_memory import (CPU_STORM_OPTIONS, EXIT_NO_CUDA, _Device, _gib,
                                           _grad_error, _minus, _ratio)
 from benchmarks.compile_time import error_line, write
+from benchmarks.peak_history import recorded
 from storm_compile import StormBackend, StormConfig
 from storm_compile.config import PRESETS
 from storm_compile.cost.simulate import device_bytes, simulate
@@ -122,7 +128,10 @@ def run_method(name: str, method: str, dev: _Device, args, reference: dict | Non
     _zero_grads(case.model)
     dev.sync()
     dev.reset_peak()
-    step()
+    owners: dict = {}
+    with recorded(owners) if method in args.peak_history and dev.cuda else \
+            contextlib.nullcontext():
+        step()
     dev.sync()
     peak = _minus(dev.peak(), held["before"])
     graph_inputs = sum(p.nbytes for p in case.model.parameters()) + sum(
@@ -136,7 +145,7 @@ def run_method(name: str, method: str, dev: _Device, args, reference: dict | Non
            "step_peak": None if peak is None else peak + graph_inputs,
            "budget_gib": _gib(budget),
            "predicted_peak": max(predicted, default=None),
-           "grads": _grads(case.model)}
+           "peak_owners": owners or None, "grads": _grads(case.model)}
     if reference is not None:
         row["grad_rel_error"] = _grad_error(row["grads"], reference)
     return row
@@ -191,8 +200,18 @@ def markdown(rows: list[dict]) -> str:
             "budget GiB": r["budget_gib"], "within budget": _within(r),
             "grad err": r.get("grad_rel_error"),
         })
-    return tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g",
-                    missingval="") + "\n"
+    owners = [_owners_section(r) for r in rows if r.get("peak_owners")]
+    return "\n".join([tabulate(table, headers="keys", tablefmt="github", floatfmt=".3g",
+                                missingval="") + "\n", *owners])
+
+
+def _owners_section(row: dict) -> str:
+    owners = row["peak_owners"]
+    return "\n".join([
+        f"### What is live at {row['model']} {row['method']}'s peak\n",
+        f"{owners['peak_gib']:.3f} GiB allocated at the peak, {owners['before_gib']:.3f} GiB "
+        f"before the step; reached by {owners['reached_by']}\n",
+        tabulate(owners["owners"], headers="keys", tablefmt="github", floatfmt=".3f") + "\n"])
 
 
 def _parse(argv):
@@ -205,6 +224,9 @@ def _parse(argv):
                              f"(with --smoke, {', '.join(SMOKE_METHODS)})")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peak-history", default="",
+                        help="comma-separated methods whose measured step the allocator "
+                             "records, to list what is live at its peak (CUDA only)")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU, tiny sizes, fp32, one warm-up and two timed steps")
     parser.add_argument("--out", type=Path, default=Path("bench-out/zoo"))
@@ -212,8 +234,10 @@ def _parse(argv):
     default = SMOKE_METHODS if args.smoke else METHODS
     args.models = args.models.split(",")
     args.methods = list(default) if args.methods is None else args.methods.split(",")
-    if set(args.methods) - set(METHODS):
-        parser.error(f"unknown method(s) {sorted(set(args.methods) - set(METHODS))}; "
+    args.peak_history = [m for m in args.peak_history.split(",") if m]
+    unknown_methods = set(args.methods + args.peak_history) - set(METHODS)
+    if unknown_methods:
+        parser.error(f"unknown method(s) {sorted(unknown_methods)}; "
                      f"known: {', '.join(METHODS)}")
     unknown = [m for m in args.models if m not in model_zoo.ZOO_NAMES]
     if unknown:

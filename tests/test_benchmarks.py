@@ -426,13 +426,12 @@ def test_compile_time_measures_inductor_once_for_a_model_and_its_streamed_twin()
     assert compile_time._reused(rows, "inductor", "llama-tiny") is None
 
 
-def test_trainer_peak_owners_names_what_is_live_at_the_peak(tmp_path):
+def test_peak_owners_names_what_is_live_at_the_peak(tmp_path):
     """The peak of a recorded trace is where the most is allocated (a block freed before it is
     not counted); its live blocks are grouped by the first Python frame outside torch (C++
     frames are passed over), with the source line; the bytes allocated before the step and live
     at the peak are one row."""
-    pytest.importorskip("transformers")
-    from benchmarks import trainer
+    from benchmarks import peak_history
 
     kernel = tmp_path / "generated.py"
     kernel.write_text("buf0 = empty((2, 2048, 128256))\nbuf1 = empty((8,))\n")
@@ -448,12 +447,12 @@ def test_trainer_peak_owners_names_what_is_live_at_the_peak(tmp_path):
              {"action": "free_completed", "addr": 99, "size": 40, "frames": []},
              {"action": "alloc", "addr": 3, "size": 120, "frames": frames(2)},
              {"action": "free_completed", "addr": 2, "size": 300, "frames": []}]
-    result = trainer.peak_owners(trace, before=1000)
-    assert result["peak_gib"] * trainer.GIB == 1000 + 300 + 100
+    result = peak_history.peak_owners(trace, before=1000)
+    assert result["peak_gib"] * peak_history.GIB == 1000 + 300 + 100
     assert "buf0 = empty((2, 2048, 128256))" in result["reached_by"]
     assert "_ops.py" not in result["reached_by"] and "unwind" not in result["reached_by"]
-    owners = {o["owner"]: round(o["gib"] * trainer.GIB) for o in result["owners"]}
-    assert owners == {trainer.owner(frames(1)): 300, trainer.owner(frames(2)): 100,
+    owners = {o["owner"]: round(o["gib"] * peak_history.GIB) for o in result["owners"]}
+    assert owners == {peak_history.owner(frames(1)): 300, peak_history.owner(frames(2)): 100,
                       "allocated before the step, still live": 1000}
 
 
@@ -525,3 +524,22 @@ def test_oom_report_is_written_at_the_first_failed_allocation_only(tmp_path, mon
     assert first.startswith("failed allocation: 36.0 MiB") and "in 0 segments" in first
     observers[0](0, 1 << 20, 0, 0)
     assert report.read_text() == first
+
+
+def test_zoo_memory_lists_what_is_live_at_a_recorded_peak():
+    from benchmarks import zoo_memory
+
+    parsed = zoo_memory._parse(["--methods", "compile,storm-peak-0.75",
+                                "--peak-history", "storm-peak-0.75"])
+    assert parsed.peak_history == ["storm-peak-0.75"]
+    with pytest.raises(SystemExit):
+        zoo_memory._parse(["--peak-history", "storm-peak-0.5"])
+    allocation = "k.py:3 call `buf1 = empty_strided_cuda((16, 192, 256, 256))`"
+    row = {"model": "unet", "method": "storm-peak-0.75", "step_ms": 1.0, "activation_gib": 1.0,
+           "peak_gib": 2.0, "step_peak": 3 * 2**30, "budget_gib": 2.5,
+           "predicted_peak": 2 * 2**30,
+           "peak_owners": {"peak_gib": 2.0, "before_gib": 0.5, "reached_by": allocation,
+                           "owners": [{"gib": 1.5, "owner": allocation}]}}
+    text = zoo_memory.markdown([row])
+    assert "What is live at unet storm-peak-0.75's peak" in text
+    assert any(allocation in line and "1.500" in line for line in text.splitlines())

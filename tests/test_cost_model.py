@@ -272,3 +272,24 @@ def test_inductor_lays_out_channels_last_unless_a_convolution_narrows_or_all_are
     assert not channels_last_graph(_conv_net((3, 192, 64)).graph)
     assert not channels_last_graph(_conv_net((3, 32, 32)).graph)
     assert not channels_last_graph(_traced(torch.mm, (4, 4), (4, 4)).graph)
+
+
+def test_a_value_read_by_a_fused_cast_stays_live_until_the_kernel_that_reads_the_cast():
+    """Inductor computes a fused cast inside the kernel of the value it flows into: the
+    matmul's output the cast reads stays live until that kernel (the sum after the second
+    matmul), not until the cast's own place in the graph."""
+    from storm_compile.cost.simulate import _Memory
+
+    def f(x, w):
+        y = x @ w
+        z = y.float()
+        other = x @ w.t()
+        return (z * 2).sum() + other.sum()
+
+    gm = _traced(f, (64, 64), (64, 64), dtype=torch.bfloat16)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    cast = next(iter(mms[0].users))
+    reader = next(iter(next(iter(cast.users)).users))
+    assert order[mms[1]] < order[reader]
+    assert _Memory(gm.graph, set()).last_use[mms[0]] == order[reader]

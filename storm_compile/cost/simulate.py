@@ -131,6 +131,22 @@ def _storage_bytes(node: fx.Node) -> int:
     return tensor_bytes(node.meta.get("val"))
 
 
+def _read_at(graph: fx.Graph, order: dict[fx.Node, int], realized: set[fx.Node]
+             ) -> dict[fx.Node, int]:
+    """Where each node's inputs are last read: its own position unless Inductor folds it into
+    other kernels (fusible, not ``realized``), else the last place its users read it: a fused
+    value is computed inside the kernels of the values it flows into, which read its inputs
+    there (a convolution's output, cast to float32 inside a group norm's kernels, stays live
+    until the norm's backward reads it). Views read their base where their users read them,
+    which :class:`_Memory` counts through storage owners."""
+    read_at: dict[fx.Node, int] = {}
+    for node in reversed(graph.nodes):
+        inlined = node.op == "call_function" and node not in realized and node.users \
+            and is_fusible(node)
+        read_at[node] = max(read_at[u] for u in node.users) if inlined else order[node]
+    return read_at
+
+
 class _Memory:
     """Live device bytes, by storage owner, over one graph walk."""
 
@@ -139,6 +155,9 @@ class _Memory:
         order = {n: i for i, n in enumerate(graph.nodes)}
         self.owners = {node: self.owner(node) for node in graph.nodes}
         """:meth:`owner` of every node of the graph."""
+        self.realized = realized_values(graph)
+        """The nodes whose outputs Inductor writes to memory."""
+        read_at = _read_at(graph, order, self.realized)
         self.last_use: dict[fx.Node, int] = {}
         self.escapes: set[fx.Node] = set()
         for node in graph.nodes:
@@ -149,9 +168,7 @@ class _Memory:
             for user in node.users:
                 if user.op == "output":
                     self.escapes.add(owner)
-                self.last_use[owner] = max(self.last_use.get(owner, order[node]), order[user])
-        self.realized = realized_values(graph)
-        """The nodes whose outputs Inductor writes to memory."""
+                self.last_use[owner] = max(self.last_use.get(owner, order[node]), read_at[user])
         self.release_at: dict[int, list[fx.Node]] = collections.defaultdict(list)
         for owner, index in self.last_use.items():
             if owner not in self.escapes:

@@ -143,9 +143,9 @@ SMALL_CHANNELS = 64
 
 
 def channels_last_graph(graph: fx.Graph) -> bool:
-    """Whether Inductor lays ``graph``'s convolutions out channels-last: its training heuristic,
-    which declines for few convolutions among many nodes, for dynamic shapes, for grouped
-    convolutions, for
+    """Whether Inductor lays ``graph``'s convolutions out channels-last at its default settings
+    (``layout_optimization`` on, not forced): its training heuristic, which declines for few
+    convolutions among many nodes, for dynamic shapes, for grouped convolutions, for
     convolutions with twice as many channels in as out (a U-Net's decoder), and for small
     channel counts only."""
     convolutions = graph.find_nodes(op="call_function", target=aten.convolution.default)

@@ -293,3 +293,17 @@ def test_a_value_read_by_a_fused_cast_stays_live_until_the_kernel_that_reads_the
     reader = next(iter(next(iter(cast.users)).users))
     assert order[mms[1]] < order[reader]
     assert _Memory(gm.graph, set()).last_use[mms[0]] == order[reader]
+
+
+def test_a_conv_nets_batch_and_weights_are_copied_channels_last_and_a_1d_nets_are_not():
+    from storm_compile.cost.simulate import _laid_out_inputs
+
+    two_d = _conv_net((3, 128, 128))
+    assert [n.name for n in _laid_out_inputs(two_d.graph)] == [
+        n.name for n in two_d.graph.find_nodes(op="placeholder")]
+
+    def one_d(x, w1, w2):
+        return torch.nn.functional.conv1d(torch.nn.functional.conv1d(x, w1), w2)
+
+    traced = _traced(one_d, (2, 3, 16), (128, 3, 3), (128, 128, 3))
+    assert _laid_out_inputs(traced.graph) == []

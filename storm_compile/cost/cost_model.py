@@ -402,7 +402,7 @@ class CostModel:
 
     def workspace_bytes(self, node: fx.Node, channels_last: bool) -> int:
         """Device bytes ``node`` allocates for itself while it runs, beside its outputs: a
-        half-precision convolution's backward in a pair Inductor does not lay out channels-last
+        half-precision 2-D convolution's backward in a pair Inductor does not lay out channels-last
         (``channels_last``: :func:`channels_last_graph` of its forward;
         :data:`CONV_BACKWARD_WORKSPACE`), and an attention backward's float32 accumulator of the
         query's gradient (:data:`ATTENTION_BACKWARD_ACCUMULATOR`)."""
@@ -410,7 +410,7 @@ class CostModel:
         packet = FLOP_ALIASES.get(packet, packet)
         if packet is aten.convolution_backward:
             grad, value = _value(node.args[0]), _value(node.args[1])
-            if value.dtype in HALF_PRECISION and not channels_last:
+            if value.dim() == 4 and value.dtype in HALF_PRECISION and not channels_last:
                 return int(CONV_BACKWARD_WORKSPACE * (tensor_bytes(value) + tensor_bytes(grad)))
             return 0
         if packet in ATTENTION_BACKWARD:

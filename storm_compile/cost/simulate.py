@@ -55,6 +55,9 @@ TRANSFER_DIRECTIONS = 2
 when its copy is issued (the host is busy with the ops instead of launching kernels)."""
 
 
+CHANNELS_LAST_DIMS = 4
+"""The tensors Inductor copies into channels-last order for a 2-D convolution: (N, C, H, W)."""
+
 COPY_DONE_S = 1e-15
 """Latency left below which a copy's latency counts as paid (float round-off of the steps)."""
 COPY_DONE_BYTES = 1e-6
@@ -249,13 +252,14 @@ def _running_bytes(node: fx.Node, cost: CostModel, channels_last: bool) -> int:
 
 
 def _laid_out_inputs(graph: fx.Graph) -> list[fx.Node]:
-    """The forward's inputs Inductor copies channels-last for its convolutions (the batch and
+    """The forward's 4-D inputs Inductor copies channels-last for its convolutions (the batch and
     the weights, when :func:`channels_last_graph`): a copy of each, made as the forward starts,
     which the backward reads in the input's place when the input is saved."""
     read = {node.args[index] for node in graph.find_nodes(
         op="call_function", target=torch.ops.aten.convolution.default) for index in (0, 1)}
     return [n for n in graph.find_nodes(op="placeholder")
             if n in read and isinstance(n.meta.get("val"), torch.Tensor)
+            and n.meta["val"].dim() == CHANNELS_LAST_DIMS
             and not n.meta["val"].is_contiguous(memory_format=torch.channels_last)]
 
 

@@ -5,10 +5,13 @@ lane at the moment the compute lane reaches it (the copy stream first waits on t
 stream), copies on a lane run one after another, and a ``wait_event`` holds the compute lane
 until its copy is done; issuing a copy holds the compute lane for half the profile's
 ``transfer_host_s``. When copies run in both directions at once they share the link's duplex
-bandwidth. Device memory: a tensor's storage is allocated when its owner runs (unless a fused
-chain keeps it in registers) and released after the last use of the storage; forward inputs
-(weights, inputs) are the baseline every figure is taken above. The same replay of the graphs
-before storm rewrites them predicts the step without storm.
+bandwidth. Device memory: a tensor's storage is allocated when its owner runs, unless a fused
+chain keeps it in registers (``realized_values``: what Inductor writes), and released after the
+last kernel that reads it (a fused op reads its inputs where the kernel computing it runs); an
+op also holds its workspace while it runs, and a channels-last conv net the copies Inductor
+makes of its batch and weights; forward inputs (weights, inputs) are the baseline every figure
+is taken above. The same replay of the graphs before storm rewrites them predicts the step
+without storm.
 
 A fourth lane is storm's host thread (``runtime.HostAdder``): each ``accumulate_grad`` hands it
 a gradient, which it adds once the gradient's copy home is done, in graph order; with an
@@ -327,7 +330,7 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False) -> Predi
     host_inputs = {n for n in bw_inputs if any(u.target is ops.prefetch for u in n.users)}
     persistent = {n for n in bw_inputs if n.name in saved_inputs}
     on_device = [n for n in bw_inputs if n not in persistent and n not in host_inputs]
-    copied = [n for n in persistent if saved_inputs[n.name] in laid_out]
+    copied = [n for n in bw_inputs if n in persistent and saved_inputs[n.name] in laid_out]
     visible = [n for n in output_node(fw).args[0][:graphs.num_fwd_outputs]
                if isinstance(n, fx.Node)]
     bw_live = baseline + sum(_storage_bytes(n) for n in visible) + sum(

@@ -25,6 +25,7 @@ import storm_compile
 from storm_compile import passes
 from storm_compile.compiler.pin_transfers import inductor_patches
 from storm_compile.compiler.pipeline import storm_partition
+from storm_compile.compiler.upcasts import cast_after, move_upcasts
 from storm_compile.config import MemoryBudget, StormConfig, StormOptionError
 from storm_compile.cost.calibrate import profile_for
 from storm_compile.cost.cost_model import CostModel, MeasuredCosts
@@ -194,9 +195,15 @@ class StormBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any],
                  mode: str | None = None, options: dict[str, Any] | None = None):
         """Compile ``gm``. ``mode`` and ``options`` are ``torch.compile``'s: they override this
-        backend's ``mode`` and options (:meth:`variant`)."""
+        backend's ``mode`` and options (:meth:`variant`). Outputs upcast to float32 around the
+        model are cast after the compiled graph (:mod:`storm_compile.compiler.upcasts`)."""
         if mode is not None or options:
             return self.variant(mode, options)(gm, example_inputs)
+        moved = move_upcasts(gm)
+        return cast_after(self._compile_counted(gm, example_inputs), moved)
+
+    def _compile_counted(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        """``gm`` planned and compiled, its runs counted under a budget (:func:`_counting_runs`)."""
         if not _needs_backward(example_inputs):
             log.debug("storm: inference graph (grad mode off or no input requires grad): "
                       "nothing is saved for a backward; compiling unchanged")

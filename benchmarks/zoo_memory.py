@@ -83,10 +83,12 @@ def wrap(method: str, model: nn.Module, storm_options: dict | None = None,
     if method == REFERENCE:
         return torch.compile(model)
     options = {"memory_budget": f"{budget}B"} if budget is not None else PRESETS[method]
-    backend = StormBackend(StormConfig.from_options(**{**options, **(storm_options or {})}))
-    if predicted is not None:
-        backend = StormBackend(backend.config, observer=lambda graphs: predicted.append(
-            device_bytes(graphs, simulate(graphs, backend.ctx.cost))))
+
+    def observe(graphs) -> None:
+        predicted.append(device_bytes(graphs, simulate(graphs, backend.ctx.cost)))
+
+    backend = StormBackend(StormConfig.from_options(**{**options, **(storm_options or {})}),
+                           observer=None if predicted is None else observe)
     return torch.compile(model, backend=backend)
 
 

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import fx
 
-HALF_PRECISION = (torch.bfloat16, torch.float16)
+from storm_compile.cost.cost_model import HALF_PRECISION
+
 UPCASTS = frozenset({"float", "to"})
 """Tensor methods dynamo records for ``x.float()`` and ``x.to(torch.float32)``."""
 

@@ -218,6 +218,28 @@ def test_a_fused_value_read_twice_is_written_once_its_expression_reads_over_four
     assert not materialized(_silu_input(five))
 
 
+def test_constants_inlined_into_a_fused_value_are_not_buffers_it_reads():
+    """A cross-entropy's backward: labels compared with an ``iota`` over the vocabulary select
+    between two ``scalar_tensor`` values, times the loss's gradient, read by a sum and by the
+    logits' gradient. Inductor inlines the constants, so the product reads two buffers and is
+    never written, though five nodes feed it."""
+    def one_hot_gradient(labels, grad, probabilities):
+        vocabulary = torch.ops.prims.iota(32, start=0, step=1, dtype=torch.int64,
+                                          device="cpu", requires_grad=False)
+        selected = torch.where(labels.long().unsqueeze(1) == vocabulary,
+                               torch.scalar_tensor(-1.0), torch.scalar_tensor(0.0))
+        product = selected * grad
+        return product.sum(1, keepdim=True), probabilities - product
+
+    gm = _traced(one_hot_gradient, (8,), (8, 1), (8, 32))
+    product = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    constants = [n for n in gm.graph.nodes if n.target in (
+        torch.ops.prims.iota.default, torch.ops.aten.scalar_tensor.default)]
+    assert len(constants) == 3
+    assert product not in realized_values(gm.graph)
+    assert not any(materialized(n) for n in constants)
+
+
 def _convolution_backward(channels_last: bool, dtype: torch.dtype) -> tuple[int, int]:
     """Workspace bytes storm prices for a convolution's backward, and its input's and output
     gradient's bytes."""

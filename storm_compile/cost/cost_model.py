@@ -83,12 +83,24 @@ weight (a code book indexed by its 4-bit codes, scaled, cast) compiles to a kern
 the bytes into codes and one gathering, scaling and casting them, which writes only the
 rebuilt weight, never the int64 codes or the float32 values of the code book (12 bytes per
 element, 4.4 GiB at a 3B model's embedding)."""
+FUSIBLE_CONSTANTS = frozenset({
+    aten.full.default, aten.scalar_tensor.default, torch.ops.prims.iota.default,
+    aten.zeros.default, aten.ones.default, aten.full_like.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.arange.default, aten.arange.start,
+    aten.arange.start_step,
+})
+"""Constant tensors Inductor lowers to an expression of the index (a fill value, a range), which
+it inlines into the kernels that read them like any pointwise value: no buffer read, nothing
+written unless an extern kernel or the graph's output takes them. A cross-entropy's backward
+compares its labels with an ``iota`` over the vocabulary and selects between two
+``scalar_tensor`` values; counted as buffers, those reads made the float32 (tokens ×
+vocabulary) one-hot product look written (8 GiB at 16384 tokens of a 128256-word vocabulary)."""
 
 
 def is_fusible(node: fx.Node) -> bool:
-    """Whether Inductor folds ``node`` into a neighbouring kernel: pointwise ops, dtype casts
-    and simple reductions. Chains of them run as one kernel that reads the chain's inputs once
-    and writes only what leaves the chain."""
+    """Whether Inductor folds ``node`` into a neighbouring kernel: pointwise ops, constants,
+    dtype casts and simple reductions. Chains of them run as one kernel that reads the chain's
+    inputs once and writes only what leaves the chain."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
@@ -101,7 +113,7 @@ def _fusible_op(target: OpOverload) -> bool:
     simulation, and fixed per op (its tags never change), so answered once per op."""
     return (torch.Tag.pointwise in target.tags or target in FUSIBLE_REDUCTIONS
             or target in FUSIBLE_CASTS or target in FUSIBLE_DECOMPOSED
-            or target in FUSIBLE_GATHERS)
+            or target in FUSIBLE_GATHERS or target in FUSIBLE_CONSTANTS)
 
 
 def materialized(node: fx.Node) -> bool:

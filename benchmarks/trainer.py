@@ -18,7 +18,12 @@ A. ``transformers.Trainer`` trains a ``LlamaForCausalLM`` built from a config wi
      so;
    - ``inductor-lora``: peft LoRA on every projection of the resident model, Inductor;
      ``storm-streamed-lora``: the same adapters on a base whose weights are streamed from
-     pinned host memory (``stream_parameters``), storm under :data:`STREAMED_LORA_BUDGET`.
+     pinned host memory (``stream_parameters``), storm under :data:`STREAMED_LORA_BUDGET`;
+   - ``storm-streamed``: every parameter trained and streamed, storm under the same budget, the
+     Trainer's own AdamW and clipping; ``storm-streamed-overlapped``: the same, the Trainer
+     handed :func:`overlapped_adamw` with ``max_grad_norm=0`` (docs/trainers.md's fast loop);
+     ``storm-streamed-plain``: the same model and optimizer in a plain loop
+     (:func:`plain_loop`), the speed the fast loop is held against (:data:`FAST_LOOP`).
 
    Per variant: each optimizer step's wall time (forward, backward, clipping, optimizer step),
    from a ``TrainerCallback``'s ``on_step_begin`` to its ``on_step_end``, synchronised at both;
@@ -30,10 +35,12 @@ A. ``transformers.Trainer`` trains a ``LlamaForCausalLM`` built from a config wi
    loss from the Trainer's log history; the graphs Dynamo compiled and its graph breaks.
    ``inductor`` and ``storm`` run ``--loss-steps`` steps, the others ``--steps``. Derived: step
    and peak × ``inductor``; for storm rows the largest |Δloss| against their reference
-   (``inductor``; ``inductor-lora`` for the LoRA row) over the steps both ran. A summary takes,
-   at ``gc``'s peak and at ``gc-offload``'s, the fastest ``storm-<x>`` row whose peak is at most
-   that peak and divides its step by theirs (the goals, :data:`GOALS`, are reported, not
-   asserted), and says whether storm's peak is non-increasing as its budget falls.
+   (``inductor``; ``inductor-lora`` for the LoRA row; none for the rows that clip nothing)
+   over the steps both ran. A summary takes, at ``gc``'s peak and at ``gc-offload``'s, the
+   fastest ``storm-<x>`` row whose peak is at most that peak and divides its step by theirs
+   (the goals, :data:`GOALS`, are reported, not asserted), says whether storm's peak is
+   non-increasing as its budget falls, and divides the Trainer's fast loop over streamed
+   weights by the plain loop's step.
 B. A plain loop (no Trainer): peft LoRA on every projection of a 2-layer d1024
    ``LlamaForCausalLM`` (:data:`LORA_STEP_LLAMA`), 4 × 1024 tokens, bf16, AdamW over the
    adapters. Variants (``--lora-variants``): ``inductor``, ``storm`` (defaults), ``storm-0.5``
@@ -88,7 +95,7 @@ from benchmarks.compile_time import error_line, write
 from benchmarks.peak_history import HISTORY_ENTRIES, peak_owners
 from benchmarks.step_overhead import _paired_ratio, run_benchmark, timed_rounds
 from benchmarks.streaming import ALLOCATOR, SMOKE_RESIDENT_BYTES
-from storm_compile import storm
+from storm_compile import overlap_optimizer, storm
 from storm_compile.fx.vocabulary import GIB, MS
 from storm_compile.weights.streaming import DEFAULT_RESIDENT_BYTES, stream_parameters
 
@@ -135,7 +142,7 @@ LORA_ALPHA = 32
 STORM_BUDGETS = (0.7, 0.5, 0.3, 0.15, 0.05)
 """storm's ``memory_budget`` fractions in part A, falling: the sweep the summary reads."""
 STREAMED_LORA_BUDGET = 0.5
-"""storm's budget of the streamed LoRA row: a fraction bounds activations only and keeps no
+"""storm's budget of the streamed rows: a fraction bounds activations only and keeps no
 streamed weight on the device, so every base weight crosses the link at every step."""
 GOALS = {"gc": 0.95, "gc-offload": 0.75}
 """The issue's goals: storm's step at most this fraction of the saver's, at the saver's peak."""
@@ -179,9 +186,17 @@ class Variant:
     lora: bool = False
     streamed: bool = False
     loss_run: bool = False
+    overlapped: bool = False
+    """The Trainer is handed :func:`overlapped_adamw` and clips nothing (``max_grad_norm=0``)."""
+    plain: bool = False
+    """A plain loop over the same model and :func:`overlapped_adamw`, instead of the Trainer."""
 
     @property
-    def reference(self) -> str:
+    def reference(self) -> str | None:
+        """The row whose losses this one's are compared with: None for the rows that clip
+        nothing or decay no learning rate, unlike every Trainer row with its defaults."""
+        if self.overlapped or self.plain:
+            return None
         return "inductor-lora" if self.lora else "inductor"
 
 
@@ -202,7 +217,21 @@ VARIANTS = (
             f"the same adapters; base streamed (stream_parameters), "
             f"storm(memory_budget={STREAMED_LORA_BUDGET})",
             budget=STREAMED_LORA_BUDGET, lora=True, streamed=True),
+    Variant("storm-streamed", "storm",
+            f"every parameter trained, streamed (stream_parameters), "
+            f"storm(memory_budget={STREAMED_LORA_BUDGET}); the Trainer's own AdamW and clipping",
+            budget=STREAMED_LORA_BUDGET, streamed=True),
+    Variant("storm-streamed-overlapped", "storm",
+            "the same; the Trainer handed overlap_optimizer(AdamW(fused=True), "
+            "backwards_per_step=1), max_grad_norm=0 (docs/trainers.md)",
+            budget=STREAMED_LORA_BUDGET, streamed=True, overlapped=True),
+    Variant("storm-streamed-plain", "storm",
+            "the same model and AdamW(fused=True) in a plain loop: backward(), step(), "
+            "zero_grad(), a constant learning rate", budget=STREAMED_LORA_BUDGET,
+            streamed=True, plain=True),
 )
+FAST_LOOP = ("storm-streamed-overlapped", "storm-streamed-plain")
+"""The Trainer's fast loop over streamed weights and the plain loop it is held against."""
 
 REFERENCES = {v.name: v.reference for v in VARIANTS}
 
@@ -370,16 +399,60 @@ def trainer_model(variant: Variant, run: Run) -> tuple[nn.Module, str]:
     if variant.streamed:
         resident = DEFAULT_RESIDENT_BYTES if run.dev.cuda else SMOKE_RESIDENT_BYTES
         done = stream_parameters(model.cpu(), run.device, resident_bytes=resident)
-        streamed = (f"; {len(done.names)} base parameters streamed "
+        streamed = (f"; {len(done.names)} parameters streamed "
                     f"({done.host_bytes / GIB:.2f} GiB in host memory)")
     if variant.lora:
         model = with_lora(model)
     return model, streamed
 
 
+def overlapped_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """Fused AdamW over ``model`` at :data:`LEARNING_RATE` without weight decay (the Trainer's
+    defaults), one backward per step stated to storm (:func:`overlap_optimizer`)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0,
+                                  fused=True)
+    return overlap_optimizer(optimizer, backwards_per_step=1)
+
+
+def plain_loop(variant: Variant, run: Run, steps: int) -> dict:
+    """``steps`` steps of ``variant``'s compiled model in a plain loop with
+    :func:`overlapped_adamw`, each timed and synchronised as a Trainer step: its row."""
+    fresh(run.dev)
+    model, streamed = trainer_model(variant, run)
+    model.compile(backend=run.backend(variant.backend, variant.budget))
+    optimizer = overlapped_adamw(model)
+    sizes = run.sizes["trainer"]
+    rows = token_rows(sizes, steps * sizes.batch).to(run.device)
+    warmup = min(run.warmup, steps - 1)
+    times, losses = [], []
+    for step in range(steps):
+        batch = rows[step * sizes.batch:(step + 1) * sizes.batch]
+        run.dev.sync()
+        if step == warmup:
+            run.dev.reset_peak()
+        begin = time.perf_counter()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.dev.sync()
+        times.append((time.perf_counter() - begin) * MS)
+        losses.append(loss.item())
+    return {"variant": variant.name, "note": variant.note + streamed, "steps": steps,
+            "parameters": parameter_count(model),
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "step_ms": statistics.median(times[warmup:]), "first_step_s": times[0] / MS,
+            "peak_gib": gib(run.dev.peak() if run.dev.cuda else None),
+            "reserved_gib": gib(torch.cuda.max_memory_reserved() if run.dev.cuda else None),
+            "losses": losses, "times_ms": times, "graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values())}
+
+
 def train(variant: Variant, run: Run, steps: int, compiled: bool) -> dict:
     """Train ``variant`` for ``steps`` steps (its model compiled in place when ``compiled``,
     else eager): its row."""
+    if variant.plain:
+        return plain_loop(variant, run, steps)
     fresh(run.dev)
     model, streamed = trainer_model(variant, run)
     if compiled:
@@ -388,14 +461,17 @@ def train(variant: Variant, run: Run, steps: int, compiled: bool) -> dict:
     warmup = min(run.warmup, steps - 1)
     timer = StepTimer(run.dev, warmup, last=steps - 1,
                       history=variant.name in run.history and run.dev.cuda)
+    clipping = {"max_grad_norm": 0.0} if variant.overlapped else {}
     args = TrainingArguments(
         output_dir=str(run.out / "trainer-output"), max_steps=steps,
         per_device_train_batch_size=sizes.batch, logging_steps=1, report_to=[],
         save_strategy="no", learning_rate=LEARNING_RATE, bf16=run.dev.cuda,
-        use_cpu=not run.dev.cuda, disable_tqdm=True, seed=SEED, **variant.training)
+        use_cpu=not run.dev.cuda, disable_tqdm=True, seed=SEED, **clipping, **variant.training)
     rows = token_rows(sizes, max(run.steps, run.loss_steps) * sizes.batch)
     data = [{"input_ids": row, "labels": row} for row in rows]
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
+    optimizer = overlapped_adamw(model) if variant.overlapped else None
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer],
+                      optimizers=(optimizer, None))
     trainer.train()
     return {"variant": variant.name, "note": variant.note + streamed, "steps": steps,
             "parameters": parameter_count(model),
@@ -472,6 +548,11 @@ def summary(rows: list[dict]) -> dict:
                          "storm_step_ms": best["step_ms"] if best else None,
                          "storm_peak_gib": best["peak_gib"] if best else None,
                          "step_ratio": _ratio(best["step_ms"], ref["step_ms"]) if best else None}
+    timed = {r["variant"]: r for r in rows if "step_ms" in r}
+    fast, plain = (timed.get(name) for name in FAST_LOOP)
+    if fast is not None and plain is not None:
+        result["fast_loop"] = {"trainer_ms": fast["step_ms"], "plain_ms": plain["step_ms"],
+                               "ratio": _ratio(fast["step_ms"], plain["step_ms"])}
     if len(budgets) == len(STORM_BUDGETS):
         peaks = [r["peak_gib"] for r in budgets]
         result["budget_peaks_gib"] = peaks
@@ -606,6 +687,11 @@ def summary_lines(result: dict) -> str:
         lines.append(head + f"fastest storm row at most at that peak: {s['storm']} "
                             f"({s['storm_step_ms']:.1f} ms, {s['storm_peak_gib']:.2f} GiB), "
                             f"step ÷ {saver}'s = {s['step_ratio']:.3f} (goal ≤ {goal})")
+    if "fast_loop" in result:
+        fast = result["fast_loop"]
+        lines.append(f"- streamed weights: the Trainer's fast loop ({FAST_LOOP[0]}) "
+                     f"{fast['trainer_ms']:.1f} ms against the plain loop's "
+                     f"{fast['plain_ms']:.1f} ms ({fast['ratio']:.3f}×)")
     lines = [wrapped(line) for line in lines]
     if "peak_non_increasing" in result:
         peaks = " → ".join(f"{p:.2f}" for p in result["budget_peaks_gib"])

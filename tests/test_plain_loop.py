@@ -92,22 +92,59 @@ def test_overlap_turned_off_steps_in_optimizer_step():
 
 def test_clipping_keeps_the_slow_path_with_one_warning_and_trains_right():
     model, batch, expected = _reference(clip=1e-3)
-    with pytest.warns(RuntimeWarning, match="read between the last backward") as caught:
+    with pytest.warns(RuntimeWarning, match="written between the last backward") as caught:
         result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), clip=1e-3)
-    assert len([w for w in caught if "read between" in str(w.message)]) == 1
+    assert len([w for w in caught if "written between" in str(w.message)]) == 1
     _assert_trains_like(result, expected)
     assert not any(result[2])
 
 
-def test_reading_a_gradient_the_backward_already_stepped_is_an_error():
+def _norms(net, into: list):
+    """An ``after_backward`` that logs the norm of every gradient of ``net``."""
+    return lambda step: into.append(torch.nn.utils.get_total_norm(
+        [p.grad for p in net.parameters() if p.grad is not None]).item())
+
+
+def test_reading_the_gradients_after_the_last_backward_keeps_the_fast_path_and_reads_them_whole():
+    """A norm for the logs, read after the backward that already stepped the streamed
+    parameters: it reads their whole gradients, and optimizer.step() does not step them again."""
+    reference, model, batch = _pair()
+    want, got = [], []
+    expected = _loop(reference, batch, storm(**CPU_TEST_OPTIONS),
+                     after_backward=_norms(reference, want))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), after_backward=_norms(model, got))
+    _assert_trains_like(result, expected)
+    assert got == pytest.approx(want)
+    assert result[2] == [False] * STABLE_CYCLES + [True] * (STEPS - STABLE_CYCLES)
+
+
+def test_clipping_a_gradient_the_backward_already_stepped_is_an_error():
     _, model, batch = _pair()
+    with pytest.raises(StormOverlapError, match="written.*overlap_optimizer.*enabled=False"):
+        _loop(model, batch, storm(**CPU_TEST_OPTIONS), clip=1e-3,
+              configure=lambda o: overlap_optimizer(o, backwards_per_step=MICRO_BATCHES))
 
-    def read(step):
-        if step == STEPS - 1:
-            _streamed(model)[0].grad
 
-    with pytest.raises(StormOverlapError, match="overlap_optimizer.*enabled=False"):
-        _loop(model, batch, storm(**CPU_TEST_OPTIONS), after_backward=read)
+def test_an_infinite_clip_keeps_a_stated_fast_path_and_trains_right():
+    """The Hugging Face Trainer's grad-norm log, ``clip_grad_norm_(..., inf)``, multiplies
+    every gradient by one: with the count stated, storm skips it."""
+    model, batch, expected = _reference(clip=float("inf"))
+    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), clip=float("inf"),
+                   configure=lambda o: overlap_optimizer(o, backwards_per_step=MICRO_BATCHES))
+    _assert_trains_like(result, expected)
+    assert all(result[2])
+
+
+def test_an_infinite_clip_while_storm_learns_keeps_the_slow_path():
+    """Multiplied by one, the gradients might be clipped by a finite bound later: while it
+    learns, storm counts the multiplication as a write."""
+    model, batch, expected = _reference(clip=float("inf"))
+    with pytest.warns(RuntimeWarning, match="written between the last backward"):
+        result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), clip=float("inf"))
+    _assert_trains_like(result, expected)
+    assert not any(result[2])
 
 
 def test_more_backwards_than_learned_is_an_error():

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from helpers import CPU_TEST_OPTIONS
-from storm_compile import storm
+from storm_compile import overlap_optimizer, storm
 from storm_compile.cli.models import LLAMA_PRESETS, Llama, build_llama
 from storm_compile.runtime.streams import get_runtime
 from storm_compile.weights.host_residency import HostResidentParametrizationList
@@ -187,11 +187,12 @@ def _token_rows(count: int, length: int = 16) -> torch.Tensor:
 
 
 def _trainer(model: nn.Module, output_dir: Path, save_steps: int | None = None,
-             cpu: bool = True, max_grad_norm: float = 1.0):
+             cpu: bool = True, max_grad_norm: float = 1.0, optimizer=None):
     """A Hugging Face ``Trainer`` over ``model`` (on the CPU with ``cpu``, else on its default
     device), recording each micro-batch's loss in ``.losses``: STEPS steps of MICRO_BATCHES
     micro-batches, gradients clipped to ``max_grad_norm`` (the Trainer's default; 0: not
-    clipped), a checkpoint every ``save_steps`` steps (None: no checkpoints)."""
+    clipped), a checkpoint every ``save_steps`` steps (None: no checkpoints), ``optimizer``
+    handed to it (None: its own)."""
     transformers = pytest.importorskip("transformers")
 
     class Recording(transformers.Trainer):
@@ -209,7 +210,8 @@ def _trainer(model: nn.Module, output_dir: Path, save_steps: int | None = None,
         report_to="none", logging_steps=1, disable_tqdm=True, seed=SEED,
         save_strategy="no" if save_steps is None else "steps", save_steps=save_steps)
     data = [{"input_ids": row, "labels": row} for row in _token_rows(32)]
-    trainer = Recording(model=model, args=args, train_dataset=data)
+    trainer = Recording(model=model, args=args, train_dataset=data,
+                        optimizers=(optimizer, None))
     trainer.losses = []
     return trainer
 
@@ -269,10 +271,11 @@ def test_trainer_keeps_a_streamed_model_streamed_and_checkpoints_it(hf_reference
         _assert_same_state(_checkpoint(tmp_path, step), _checkpoint(reference_dir, step))
 
 
-def test_trainer_reads_gradients_every_step_so_storm_warns_once_and_steps_after(tmp_path):
+def test_trainer_writes_gradients_every_step_so_storm_warns_once_and_steps_after(tmp_path):
     """The Trainer computes the gradient norm before every optimizer step, for its logs, even
-    with ``max_grad_norm=0``: storm warns once and steps the streamed parameters in
-    ``optimizer.step()``, and trains as the unstreamed model does."""
+    with ``max_grad_norm=0``: ``clip_grad_norm_`` with an infinite bound, which multiplies every
+    gradient by one. While storm learns, that counts as a write: storm warns once and steps the
+    streamed parameters in ``optimizer.step()``, and trains as the unstreamed model does."""
     reference = _hf_llama()
     _trainer(reference, tmp_path / "reference", max_grad_norm=0.0).train()
     model = _hf_llama(stream=True)
@@ -281,11 +284,46 @@ def test_trainer_reads_gradients_every_step_so_storm_warns_once_and_steps_after(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
-    assert len([w for w in caught if "read between the last backward" in str(w.message)]) == 1
+    assert len([w for w in caught if "written between the last backward" in str(w.message)]) == 1
     _assert_same_state(model.state_dict(), reference.state_dict())
     owners = [get_runtime().cycles.owner(p) for p in model.parameters()
               if getattr(p, "storm_streamed", False)]
     assert owners and not any(o[1].enabled for o in owners)
+
+
+def test_trainer_handed_an_optimizer_with_its_count_steps_during_the_last_backward(tmp_path):
+    """docs/trainers.md's fast loop: the Trainer handed an AdamW whose backwards per step storm
+    is told (``overlap_optimizer``), without clipping: from the first step, the last backward of
+    each step steps the streamed parameters, the Trainer's gradient norm reads their whole
+    gradients, and the model trains as the unstreamed one does."""
+    transformers = pytest.importorskip("transformers")
+    overlapped = []
+
+    class Overlapped(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            owners = [get_runtime().cycles.owner(p) for p in streamed]
+            overlapped.append(all(o is not None and id(p) in o[1].stepped
+                                  for p, o in zip(streamed, owners)))
+
+    runs = {}
+    for stream in (False, True):
+        model = _hf_llama(stream=stream)
+        streamed = [p for p in model.parameters() if getattr(p, "storm_streamed", False)]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        if stream:
+            model.compile(backend=storm(**CPU_TEST_OPTIONS))
+            overlap_optimizer(optimizer, backwards_per_step=MICRO_BATCHES)
+        trainer = _trainer(model, tmp_path / str(stream), max_grad_norm=0.0, optimizer=optimizer)
+        if stream:
+            trainer.add_callback(Overlapped())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            trainer.train()
+        norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+        runs[stream] = model.state_dict(), norms
+    _assert_same_state(runs[True][0], runs[False][0])
+    assert runs[True][1] == pytest.approx(runs[False][1])
+    assert overlapped == [True] * STEPS
 
 
 def test_trainer_resumes_a_streamed_model_from_its_checkpoint(hf_reference, tmp_path):

@@ -1,5 +1,5 @@
 """What storm learns of the training loop around streamed parameters: how many backwards each
-optimizer step follows, and whether anything reads their gradients before that step.
+optimizer step follows, and whether anything writes into their gradients before that step.
 
 The plain loop::
 
@@ -11,16 +11,23 @@ The plain loop::
 is served as the fast loop by itself. Every backward returns without waiting for its own
 gradients' host additions (any read of a streamed parameter's ``.grad`` waits for them), and
 once an optimizer has stepped :data:`STABLE_CYCLES` times after the same number ``n`` of
-backwards, with nothing reading the streamed gradients between the last backward and the step,
-the ``n``-th backward of every later step also steps that optimizer for each streamed parameter
-as soon as its gradient is complete, on the host thread, while the GPU finishes the backward.
+backwards, with nothing writing into the streamed gradients between the last backward and the
+step, the ``n``-th backward of every later step also steps that optimizer for each streamed
+parameter as soon as its gradient is complete, on the host thread, while the GPU finishes the
+backward.
 ``optimizer.step()`` then steps only the parameters left on the device.
 
-What cannot be undone is refused rather than served wrong: a read of a streamed parameter's
-``.grad`` after it was stepped in the backward raises :class:`StormOverlapError`, and so does a
-backward that brings a gradient to a parameter already stepped in an earlier backward of the
-same step (more backwards per step than storm learned). A read seen while learning (gradient
-clipping, a grad scaler, logging) keeps that optimizer on the slow path, with one warning.
+Reading the gradients between the last backward and the step (a norm for the logs) changes
+nothing: a parameter stepped during the backward keeps its ``.grad`` until ``zero_grad``, and
+``optimizer.step()`` skips it. Writing them there (clipping, a grad scaler) is what the overlap
+cannot serve, since a step taken with the gradient as it was cannot be undone: a write seen while
+storm learns keeps that optimizer on the slow path, with one warning; a write into the gradient
+of a parameter already stepped raises :class:`StormOverlapError`, and so does a backward that
+brings a gradient to a parameter already stepped in an earlier backward of the same step (more
+backwards per step than storm learned). A multiplication by exactly one (``clip_grad_norm_``
+with an infinite ``max_norm``, which the Hugging Face ``Trainer`` runs for its logs) writes
+nothing once the count is stated; while storm learns it counts as a write, since the same call
+with a finite ``max_norm`` multiplies by one only until the norm first exceeds it.
 :func:`overlap_optimizer` turns the overlap off, or states the count up front.
 """
 
@@ -28,8 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 from torch.utils.weak import WeakIdKeyDictionary
 
 STABLE_CYCLES = 2
@@ -81,6 +90,68 @@ class Cycle:
         self.stepped.clear()
 
 
+IN_PLACE_OPERATORS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__", "__setitem__",
+})
+"""Python's in-place operators and item assignment on a tensor: writes, like torch's ops whose
+names end in one underscore."""
+_DATA = (torch.Tensor.data.__get__, torch.Tensor.data.__set__)
+"""``.data``, read or replaced: a write through it cannot be followed, so it counts as one."""
+_MULTIPLICATIONS = (torch.Tensor.mul_, torch._foreach_mul_)
+
+
+def _written(func, args: tuple, kwargs: dict) -> list:
+    """The tensors ``func(*args, **kwargs)`` writes into: its first argument (or each tensor of
+    it, for a ``_foreach`` op) when it works in place, and its ``out``."""
+    name = getattr(func, "__name__", "")
+    targets = []
+    if args and (func in _DATA or name in IN_PLACE_OPERATORS
+                 or (name.endswith("_") and not name.endswith("__"))):
+        targets += args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+    out = kwargs.get("out")
+    targets += out if isinstance(out, (list, tuple)) else [out]
+    return [t for t in targets if isinstance(t, HeldGrad)]
+
+
+def _times_one(func, args: tuple) -> bool:
+    """Whether ``func(*args)`` multiplies by exactly one."""
+    if func not in _MULTIPLICATIONS or len(args) < 2:
+        return False
+    factor = args[1]
+    if isinstance(factor, torch.Tensor):
+        return factor.numel() == 1 and bool(factor == 1)
+    return isinstance(factor, (int, float)) and factor == 1
+
+
+class HeldGrad(torch.Tensor):
+    """A streamed parameter's ``.grad`` as read between a backward and the optimizer step it
+    leads to: the gradient itself (the same storage; ops on it return plain tensors), whose
+    in-place writes are first reported to ``storm_on_write(times_one)`` (``times_one``: the
+    write multiplies by exactly one), which raises, or returns whether to skip the write."""
+
+    storm_on_write: Callable[[bool], bool]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        written = _written(func, args, kwargs)
+        if written:
+            times_one = _times_one(func, args)
+            skip = [held.storm_on_write(times_one) for held in written]
+            if all(skip):
+                return None if func is torch._foreach_mul_ else args[0]
+        with DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def held(grad: torch.Tensor, on_write: Callable[[bool], bool]) -> HeldGrad:
+    """``grad`` as a :class:`HeldGrad` reporting its writes to ``on_write``."""
+    view = grad.as_subclass(HeldGrad)
+    view.storm_on_write = on_write
+    return view
+
+
 def streamed_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The streamed parameters (:class:`storm_compile.weights.streaming.HostParameter`)
     ``optimizer``
@@ -89,10 +160,12 @@ def streamed_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if getattr(p, "storm_streamed", False)]
 
 
-def step_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> None:
-    """Step ``optimizer`` for ``param`` alone, with its group's settings, and set its ``.grad``
-    to None so that ``optimizer.step()`` skips it. Raises ``ValueError`` when ``param`` is not
-    in ``optimizer``."""
+def step_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor,
+                   keep_grad: bool = False) -> None:
+    """Step ``optimizer`` for ``param`` alone, with its group's settings; unless ``keep_grad``,
+    set its ``.grad`` to None so that ``optimizer.step()`` skips it (with ``keep_grad`` the
+    caller hides it from that step). Raises ``ValueError`` when ``param`` is not in
+    ``optimizer``."""
     group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])),
                  None)
     if group is None:
@@ -104,7 +177,8 @@ def step_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Non
         optimizer.step()
     finally:
         optimizer.param_groups = groups
-    param.grad = None
+    if not keep_grad:
+        param.grad = None
 
 
 class Cycles:

@@ -35,7 +35,9 @@ from storm_compile.fx.torch_private import (
 )
 from storm_compile.runtime.cycles import (
     Cycles,
+    HeldGrad,
     StormOverlapError,
+    held,
     step_parameter,
     streamed_parameters,
 )
@@ -478,11 +480,13 @@ class TransferRuntime:
         self._stepping = False
         self._unguarded = False
         self._deferring = 0
-        self._read_after: int | None = None
+        self._written_after: int | None = None
+        self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """Parameters stepped during the backward, with the ``.grad`` hidden from the step."""
         self._in_step = 0
         self._steps_streamed = False
         self._warned_pinning = False
-        self._warned_reads: set[int] = set()
+        self._warned_writes: set[int] = set()
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._d2h:
@@ -625,7 +629,7 @@ class TransferRuntime:
         if cycle.final_backward() != self.backwards:
             return None
         cycle.stepped[id(param)] = self.backwards
-        return functools.partial(step_parameter, optimizer)
+        return functools.partial(step_parameter, optimizer, keep_grad=True)
 
     def grad_cleared(self) -> None:
         """A streamed parameter's ``.grad`` was set to None off the host thread and outside an
@@ -637,24 +641,40 @@ class TransferRuntime:
 
     def read_grad(self, param: torch.Tensor) -> None:
         """``param``'s ``.grad`` is about to be read off the host thread: wait for its pending
-        additions (raising the first error one hit). Raises :class:`StormOverlapError` when
-        ``param`` was stepped during a backward of this step, whose gradient is gone; outside
-        an optimizer step, a read after a backward is remembered, so that its optimizer is not
-        stepped during the backward (:mod:`storm_compile.runtime.cycles`)."""
-        if self._adder.on_thread():
-            return
-        self._adder.settle()
-        if self._in_step:
-            return
+        additions (raising the first error one hit)."""
+        if not self._adder.on_thread():
+            self._adder.settle()
+
+    def handed_out(self, param: torch.Tensor, grad: torch.Tensor | None
+                   ) -> torch.Tensor | HeldGrad | None:
+        """What a read of ``param.grad`` returns: ``grad``, or, off the host thread and outside
+        an optimizer step once a backward brought streamed gradients, ``grad`` as a
+        :class:`~storm_compile.runtime.cycles.HeldGrad` whose writes :meth:`_grad_written`
+        judges."""
+        if grad is None or self._adder.on_thread() or self._in_step or not self.backwards:
+            return grad
+        return held(grad, functools.partial(self._grad_written, param))
+
+    def _grad_written(self, param: torch.Tensor, times_one: bool) -> bool:
+        """A write into ``param``'s ``.grad`` read after a backward (``times_one``: it
+        multiplies by exactly one); whether to skip it, as :mod:`storm_compile.runtime.cycles`
+        says. Raises :class:`StormOverlapError` for a write that changes the gradient of a
+        parameter already stepped during the backward."""
         owner = self.cycles.owner(param)
-        if owner is not None and id(param) in owner[1].stepped:
+        cycle = None if owner is None else owner[1]
+        if cycle is not None and id(param) in cycle.stepped:
+            if times_one:
+                return True
             raise StormOverlapError(
                 f"storm: the gradient of a streamed parameter (shape {tuple(param.shape)}) was "
-                f"read after its optimizer stepped it during the last backward; to read or "
-                f"clip gradients before optimizer.step(), call "
-                f"storm_compile.overlap_optimizer(optimizer, enabled=False)")
-        if self.backwards:
-            self._read_after = self.backwards
+                f"written (clipped, scaled) after its optimizer stepped it during the last "
+                f"backward with the gradient as it was; to clip or scale gradients before "
+                f"optimizer.step(), call storm_compile.overlap_optimizer(optimizer, "
+                f"enabled=False)")
+        if times_one and cycle is not None and cycle.backwards_per_step is not None:
+            return True
+        self._written_after = self.backwards
+        return False
 
     def _step(self, stepper: Step, param: torch.Tensor) -> None:
         reading = self._host_reads.pop(param.data_ptr(), None)
@@ -699,42 +719,59 @@ class TransferRuntime:
             self._adder.join()
 
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        """Every addition done before any step off the host thread; the step's streamed
-        parameters told to :mod:`storm_compile.runtime.cycles`, with a warning when their gradients
-        were read after the last backward while it learns. A step given a closure runs a
-        backward of its own after this hook (Lightning steps so), so storm cannot count the
-        step's backwards, and stops stepping that optimizer's parameters during them."""
+        """Every addition done before any step off the host thread; the gradients of the
+        parameters stepped during the backward hidden from the step; the step's streamed
+        parameters told to :mod:`storm_compile.runtime.cycles`, with a warning when their
+        gradients were written after the last backward while it learns. A step given a closure
+        runs a backward of its own after this hook (Lightning steps so), so storm cannot count
+        the step's backwards, and stops stepping that optimizer's parameters during them."""
         if self._adder.on_thread():
             return
         self._adder.join()
         self._in_step += 1
         streamed = streamed_parameters(optimizer)
         self._steps_streamed = bool(streamed)
+        self._hide_stepped(streamed)
         cycle = self.cycles.observe(optimizer, streamed, self.backwards)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is optimizer
         if cycle is not None and closure is not None:
             cycle.enabled = False
             return
-        if cycle is None or self._read_after != self.backwards or not self.backwards:
+        if cycle is None or self._written_after != self.backwards or not self.backwards:
             return
         if cycle.enabled and cycle.backwards_per_step is None:
             cycle.enabled = False
-            if id(optimizer) not in self._warned_reads:
-                self._warned_reads.add(id(optimizer))
+            if id(optimizer) not in self._warned_writes:
+                self._warned_writes.add(id(optimizer))
                 warnings.warn(
-                    f"storm: the gradients of streamed parameters are read between the last "
+                    f"storm: the gradients of streamed parameters are written between the last "
                     f"backward and {type(optimizer).__name__}.step() (gradient clipping, a grad "
-                    f"scaler, logging), so this optimizer steps them after the backward "
-                    f"instead of during it", RuntimeWarning, stacklevel=2)
+                    f"scaler), so this optimizer steps them after the backward instead of "
+                    f"during it", RuntimeWarning, stacklevel=2)
+
+    def _hide_stepped(self, streamed: list[torch.Tensor]) -> None:
+        """Set aside the ``.grad`` of each of ``streamed`` that was stepped during the
+        backward, so that the optimizer step skips it; :meth:`_after_optimizer_step` puts it
+        back, for reads until ``zero_grad``."""
+        for param in streamed:
+            owner = self.cycles.owner(param)
+            grad = _TENSOR_GRAD.__get__(param)
+            if owner is not None and id(param) in owner[1].stepped and grad is not None:
+                self._hidden.append((param, grad))
+                _TENSOR_GRAD.__set__(param, None)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         self._optimizer_steps += 1
         if self._adder.on_thread():
             return
         self._in_step -= 1
+        for param, grad in self._hidden:
+            if _TENSOR_GRAD.__get__(param) is None:
+                _TENSOR_GRAD.__set__(param, grad)
+        self._hidden.clear()
         if self._steps_streamed:
             self.backwards = 0
-            self._read_after = None
+            self._written_after = None
 
     def warn_pinning_failed(self, nbytes: int, limit: int) -> None:
         if not self._warned_pinning:

@@ -71,10 +71,10 @@ class HostParameter(nn.Parameter):
     its additions). Two routes to it bypass what storm tracks, so they go through storm first:
 
     * ``.grad`` waits for the gradient additions still running on storm's host thread (a
-      backward returns before they are done), and raises
-      :class:`~storm_compile.runtime.cycles.StormOverlapError` when the parameter was already
-      stepped during the backward (:mod:`storm_compile.runtime.cycles`); setting it to None
-      (``zero_grad``) starts a new count of backwards;
+      backward returns before they are done); between a backward and the optimizer step it
+      reads as a :class:`~storm_compile.runtime.cycles.HeldGrad`, whose writes storm judges
+      (:mod:`storm_compile.runtime.cycles`); setting it to None (``zero_grad``) starts a new
+      count of backwards;
     * ``.data``, read or replaced, makes every device copy kept of a host weight be copied again
       before its next read: writes through ``.data`` move no version counter.
     """
@@ -83,8 +83,9 @@ class HostParameter(nn.Parameter):
 
     @property
     def grad(self) -> torch.Tensor | None:
-        get_runtime().read_grad(self)
-        return _TENSOR_GRAD.__get__(self)
+        runtime = get_runtime()
+        runtime.read_grad(self)
+        return runtime.handed_out(self, _TENSOR_GRAD.__get__(self))
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
@@ -561,12 +562,16 @@ def overlap_optimizer(optimizer: torch.optim.Optimizer, enabled: bool = True, *,
     """Set how ``optimizer`` steps streamed parameters; returns ``optimizer``.
 
     Without this call storm learns it (:mod:`storm_compile.runtime.cycles`): once ``optimizer`` has
-    stepped twice after the same number of backwards with nothing reading the streamed
+    stepped twice after the same number of backwards with nothing writing into the streamed
     gradients in between, the last backward of each later step also steps each streamed
     parameter as soon as its gradient is complete, while the GPU finishes that backward.
-    ``enabled=False`` keeps every step in ``optimizer.step()`` (for a loop that reads or clips
+    ``enabled=False`` keeps every step in ``optimizer.step()`` (for a loop that clips or scales
     the gradients before it only now and then); ``backwards_per_step`` states the count, trusted
-    from the first step, counted from this call or the last ``zero_grad``. Each call forgets what
+    from the first step, counted from this call or the last ``zero_grad``; then a
+    multiplication of the gradients by exactly one (``clip_grad_norm_`` with an infinite
+    ``max_norm``, as the Hugging Face ``Trainer`` runs it for its logs) is skipped, and a write
+    that changes the gradient of a parameter already stepped raises
+    :class:`~storm_compile.runtime.cycles.StormOverlapError`. Each call forgets what
     was learned: call it when the number of backwards per step changes, since a learned count that
     grows is an error (a parameter stepped during a backward that turned out not to be the last
     cannot be stepped back). Raises ``ValueError`` for a count below 1, or for an optimizer storm

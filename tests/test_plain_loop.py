@@ -27,11 +27,12 @@ def _streamed(model):
 
 
 def _loop(net, batch, backend, *, clip: float | None = None, configure=None,
-          after_backward=None) -> tuple[list[float], list[torch.Tensor], list[bool]]:
-    """STEPS steps of MICRO_BATCHES micro-batches in the plain loop with fused AdamW (gradients
-    clipped to ``clip``); each step's last loss, the final weights, and for each step whether
-    storm stepped streamed parameters during its last backward. ``configure(optimizer)`` runs
-    first; ``after_backward(step)`` after each step's last backward."""
+          after_backward=None, micro_batches: int = MICRO_BATCHES
+          ) -> tuple[list[float], list[torch.Tensor], list[bool]]:
+    """STEPS steps of ``micro_batches`` micro-batches in the plain loop with fused AdamW
+    (gradients clipped to ``clip``); each step's last loss, the final weights, and for each step
+    whether storm stepped streamed parameters during its last backward. ``configure(optimizer)``
+    runs first; ``after_backward(step)`` after each step's last backward."""
     get_runtime().backwards = 0
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
     if configure is not None:
@@ -39,8 +40,8 @@ def _loop(net, batch, backend, *, clip: float | None = None, configure=None,
     run = torch.compile(net, backend=backend)
     losses, overlapped = [], []
     for step in range(STEPS):
-        for _ in range(MICRO_BATCHES):
-            loss = run(*batch) / MICRO_BATCHES
+        for _ in range(micro_batches):
+            loss = run(*batch) / micro_batches
             loss.backward()
         owner = [get_runtime().cycles.owner(p) for p in _streamed(net)]
         overlapped.append(any(o is not None and o[1].stepped for o in owner))
@@ -117,6 +118,23 @@ def test_reading_the_gradients_after_the_last_backward_keeps_the_fast_path_and_r
         result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), after_backward=_norms(model, got))
     _assert_trains_like(result, expected)
     assert got == pytest.approx(want)
+    assert result[2] == [False] * STABLE_CYCLES + [True] * (STEPS - STABLE_CYCLES)
+
+
+def test_a_gradient_copied_home_alone_has_its_norm_taken_where_it_was_made():
+    """One backward per step: each streamed ``.grad`` is one gradient copied home, and from the
+    step after a norm was first read, storm takes each one's 2-norm where it is made, before
+    the copy, and answers ``clip_grad_norm_``'s reads with it."""
+    reference, model, batch = _pair()
+    want, got = [], []
+    expected = _loop(reference, batch, storm(**CPU_TEST_OPTIONS), micro_batches=1,
+                     after_backward=_norms(reference, want))
+    served = get_runtime().norms_served
+    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), micro_batches=1,
+                   after_backward=_norms(model, got))
+    _assert_trains_like(result, expected)
+    assert got == pytest.approx(want)
+    assert get_runtime().norms_served - served >= len(_streamed(model)) * (STEPS - 1)
     assert result[2] == [False] * STABLE_CYCLES + [True] * (STEPS - STABLE_CYCLES)
 
 

@@ -32,6 +32,7 @@ APIS: dict[str, tuple[str, ...]] = {
     "use_lazy_graph_module": ("torch.fx._lazy_graph_module:_use_lazy_graph_module",),
     "is_in_torch_dispatch_mode": ("torch.utils._python_dispatch:is_in_torch_dispatch_mode",),
     "DisableTorchFunctionSubclass": ("torch._C:DisableTorchFunctionSubclass",),
+    "foreach_mul_": ("torch:_foreach_mul_",),
     # AOTAutograd, its partitioner and fake tensors: capture and the split.
     "functorch_config": ("torch._functorch.config:",),
     "min_cut_rematerialization_partition": (

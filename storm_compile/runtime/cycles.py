@@ -38,8 +38,9 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
 from torch.utils.weak import WeakIdKeyDictionary
+
+from storm_compile.fx.torch_private import DisableTorchFunctionSubclass, foreach_mul_
 
 STABLE_CYCLES = 2
 """Optimizer steps in a row that must follow the same number of backwards before storm steps
@@ -98,7 +99,7 @@ IN_PLACE_OPERATORS = frozenset({
 names end in one underscore."""
 _DATA = (torch.Tensor.data.__get__, torch.Tensor.data.__set__)
 """``.data``, read or replaced: a write through it cannot be followed, so it counts as one."""
-_MULTIPLICATIONS = (torch.Tensor.mul_, torch._foreach_mul_)
+_MULTIPLICATIONS = (torch.Tensor.mul_, foreach_mul_)
 
 
 def _written(func, args: tuple, kwargs: dict) -> list:
@@ -124,31 +125,50 @@ def _times_one(func, args: tuple) -> bool:
     return isinstance(factor, (int, float)) and factor == 1
 
 
+def _two_norm(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` is the 2-norm of all of its first argument, as
+    ``clip_grad_norm_`` takes it of each gradient."""
+    if func is not torch.linalg.vector_norm or len(args) > 2 or set(kwargs) - {"ord"}:
+        return False
+    order = args[1] if len(args) == 2 else kwargs.get("ord", 2)
+    return isinstance(order, (int, float)) and order == 2
+
+
 class HeldGrad(torch.Tensor):
     """A streamed parameter's ``.grad`` as read between a backward and the optimizer step it
     leads to: the gradient itself (the same storage; ops on it return plain tensors), whose
     in-place writes are first reported to ``storm_on_write(times_one)`` (``times_one``: the
-    write multiplies by exactly one), which raises, or returns whether to skip the write."""
+    write multiplies by exactly one), which raises, or returns whether to skip the write; its
+    2-norm is ``storm_norm()`` where that gives one (computed on the device before the
+    gradient came home), else computed here."""
 
     storm_on_write: Callable[[bool], bool]
+    storm_norm: Callable[[], torch.Tensor | None]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _two_norm(func, args, kwargs) and isinstance(args[0], HeldGrad):
+            norm = args[0].storm_norm()
+            if norm is not None:
+                return norm
         written = _written(func, args, kwargs)
         if written:
             times_one = _times_one(func, args)
             skip = [held.storm_on_write(times_one) for held in written]
             if all(skip):
-                return None if func is torch._foreach_mul_ else args[0]
+                return None if func is foreach_mul_ else args[0]
         with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-def held(grad: torch.Tensor, on_write: Callable[[bool], bool]) -> HeldGrad:
-    """``grad`` as a :class:`HeldGrad` reporting its writes to ``on_write``."""
+def held(grad: torch.Tensor, on_write: Callable[[bool], bool],
+         norm: Callable[[], torch.Tensor | None]) -> HeldGrad:
+    """``grad`` as a :class:`HeldGrad` reporting its writes to ``on_write``, its 2-norm
+    ``norm()`` where that is not None."""
     view = grad.as_subclass(HeldGrad)
     view.storm_on_write = on_write
+    view.storm_norm = norm
     return view
 
 

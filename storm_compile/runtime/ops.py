@@ -175,10 +175,13 @@ def _grad_to_host_fake(grad: torch.Tensor, w: torch.Tensor) -> None:
 @torch.library.impl(_lib, "send_grad", _COMPOSITE)
 def _send_grad(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
     if grad.device.type != "cuda":
-        return grad.clone(memory_format=torch.contiguous_format)
-    contiguous = torch.empty(grad.shape, device="meta").stride()
-    host = _copy_to_pool(grad, host_limit, contiguous, host_reads=True)
-    return grad.to("cpu") if host is None else host
+        host = grad.clone(memory_format=torch.contiguous_format)
+    else:
+        contiguous = torch.empty(grad.shape, device="meta").stride()
+        host = _copy_to_pool(grad, host_limit, contiguous, host_reads=True)
+        host = grad.to("cpu") if host is None else host
+    get_runtime().sent(host, grad)
+    return host
 
 
 @torch.library.register_fake("storm::send_grad")

@@ -247,6 +247,16 @@ class _PendingStep:
     adds_left: int
 
 
+@dataclasses.dataclass(frozen=True)
+class KeptNorm:
+    """The 2-norm of a gradient, computed where it was made before it came home, and the
+    ``.grad`` it is the norm of while unchanged (its data pointer and version)."""
+
+    norm: torch.Tensor
+    data_ptr: int
+    version: int
+
+
 class HostAdder:
     """Adds gradients that arrive in host buffers into their parameters' ``.grad`` on one host
     thread, in arrival order, each after the copy that fills its buffer is done, so that the
@@ -273,23 +283,26 @@ class HostAdder:
         self._lock = threading.Lock()
         self._steps: dict[int, _PendingStep] = {}
         self._launched = threading.Event()
+        self.norms = WeakIdKeyDictionary()
+        """A :class:`KeptNorm` per parameter whose ``.grad`` is one gradient copied home."""
         self._finished = threading.Condition()
         self._handed_over = 0
         self._done = 0
 
     def add(self, x: torch.Tensor, param: torch.Tensor, event: torch.cuda.Event | None,
-            step: Step | None = None) -> None:
+            step: Step | None = None, norm: torch.Tensor | None = None) -> None:
         """Add ``x`` into ``param.grad`` once ``event`` (when given) has completed: now when
         there is nothing to wait for and nothing queued, else on the thread; then ``step``
-        it, when given, as the class says."""
+        it, when given, as the class says. ``norm``: the 2-norm of ``x``, kept in
+        :attr:`norms` while ``param.grad`` is ``x`` alone."""
         if step is not None:
             with self._lock:
                 pending = self._steps.setdefault(id(param), _PendingStep(param, step, 0))
                 pending.adds_left += 1
         if event is None and self._jobs.unfinished_tasks == 0:
-            self._add_now(x, param, step is not None)
+            self._add_now(x, param, step is not None, norm)
             return
-        self._put((x, param, event, step is not None))
+        self._put((x, param, event, step is not None, norm))
 
     def prepare(self, params: list[torch.Tensor]) -> threading.Thread | None:
         """Allocate, on a new thread, the gradient buffers of ``params`` that this object does
@@ -364,18 +377,18 @@ class HostAdder:
             job = self._jobs.get()
             try:
                 if job is not None:
-                    x, param, event, counted = job
+                    x, param, event, counted, norm = job
                     begin = time.perf_counter()
                     while event is not None and not event.query():
                         if not self._step_one():
                             event.synchronize()
-                    self._add_now(x, param, counted, time.perf_counter() - begin)
+                    self._add_now(x, param, counted, norm, time.perf_counter() - begin)
                 while self._step_one():
                     pass
             except BaseException as error:  # noqa: BLE001 - handed to join
                 self._error = self._error or error
             finally:
-                job = x = param = event = None
+                job = x = param = event = norm = None
                 with self._finished:
                     self._done += 1
                     self._finished.notify_all()
@@ -395,13 +408,14 @@ class HostAdder:
         return True
 
     def _add_now(self, x: torch.Tensor, param: torch.Tensor, counted: bool,
-                 waited_s: float = 0.0) -> None:
+                 norm: torch.Tensor | None, waited_s: float = 0.0) -> None:
         """Add ``x`` into ``param.grad``, ``waited_s`` after its job started waiting for its
         copy; ``counted``: an addition its pending step waits for (an earlier micro-batch's,
-        still queued, is not one)."""
+        still queued, is not one); ``norm``: the 2-norm of ``x``, or None."""
         begin = time.perf_counter()
         with torch.no_grad():
             grad = _TENSOR_GRAD.__get__(param)
+            self.norms.pop(param, None)
             if grad is not None:
                 grad.add_(x)
             else:
@@ -411,6 +425,9 @@ class HostAdder:
                     buffer = torch.empty_like(param, memory_format=torch.contiguous_format)
                     self._buffers[param] = (buffer, _storage_use_count(buffer))
                 param.grad = buffer.copy_(x).detach()  # its own tensor: holders count as users
+                if norm is not None:
+                    grad = _TENSOR_GRAD.__get__(param)
+                    self.norms[param] = KeptNorm(norm, grad.data_ptr(), grad._version)
         if counted:
             with self._lock:
                 self._steps[id(param)].adds_left -= 1
@@ -481,6 +498,14 @@ class TransferRuntime:
         self._unguarded = False
         self._deferring = 0
         self._written_after: int | None = None
+        self._sent_norms: dict[int, torch.Tensor] = {}
+        """The 2-norm of each gradient sent home while :attr:`norms_wanted`, by its host
+        copy's data pointer, until the copy is handed to the host thread."""
+        self.norms_wanted = False
+        """Set once a gradient's norm was read without a kept one: from then on each gradient
+        sent home has its 2-norm computed where it was made (a kernel per gradient)."""
+        self.norms_served = 0
+        """Reads of a gradient's norm answered with a norm computed where it was made."""
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Parameters stepped during the backward, with the ``.grad`` hidden from the step."""
         self._in_step = 0
@@ -578,6 +603,7 @@ class TransferRuntime:
         step's last, step ``param`` once its gradient is complete and no copy launched from it
         is still reading it."""
         event = self._host_events.pop(x.data_ptr(), None)
+        norm = self._sent_norms.pop(x.data_ptr(), None)
         if not self._accumulates(param):
             return
         self._carried = True
@@ -585,7 +611,27 @@ class TransferRuntime:
         stepper = self.stepper or self._learned_stepper(param)
         step = None if stepper is None else functools.partial(self._step, stepper)
         self._stepping = self._stepping or step is not None
-        self._adder.add(x, param, event, step)
+        self._adder.add(x, param, event, step, norm)
+
+    def sent(self, host: torch.Tensor, grad: torch.Tensor) -> None:
+        """``grad`` is on its way home into ``host``: while :attr:`norms_wanted`, take its
+        2-norm now, where it was made, for :meth:`kept_norm`."""
+        if self.norms_wanted:
+            with torch.no_grad():
+                self._sent_norms[host.data_ptr()] = torch.linalg.vector_norm(grad, 2.0)
+
+    def kept_norm(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+        """The 2-norm of ``grad``, ``param``'s ``.grad``, on its device, where it is one
+        gradient copied home whose norm :meth:`sent` took and nothing changed it since (on a
+        GPU a reduction of the same values in another order); else None, and norms are taken
+        from then on. The Hugging Face Trainer reads every gradient's norm at every step, for
+        its logs: on the host that pass runs at a few GB/s."""
+        kept = self._adder.norms.get(param)
+        if kept is None or kept.data_ptr != grad.data_ptr() or kept.version != grad._version:
+            self.norms_wanted = True
+            return None
+        self.norms_served += 1
+        return kept.norm.to(grad.device)
 
     def _accumulates(self, param: torch.Tensor) -> bool:
         """Whether the running backward accumulates into ``param.grad``: not in
@@ -650,10 +696,11 @@ class TransferRuntime:
         """What a read of ``param.grad`` returns: ``grad``, or, off the host thread and outside
         an optimizer step once a backward brought streamed gradients, ``grad`` as a
         :class:`~storm_compile.runtime.cycles.HeldGrad` whose writes :meth:`_grad_written`
-        judges."""
+        judges and whose 2-norm :meth:`kept_norm` gives where it can."""
         if grad is None or self._adder.on_thread() or self._in_step or not self.backwards:
             return grad
-        return held(grad, functools.partial(self._grad_written, param))
+        return held(grad, functools.partial(self._grad_written, param),
+                    functools.partial(self.kept_norm, param, grad))
 
     def _grad_written(self, param: torch.Tensor, times_one: bool) -> bool:
         """A write into ``param``'s ``.grad`` read after a backward (``times_one``: it

@@ -145,6 +145,57 @@ def test_clipping_a_gradient_the_backward_already_stepped_is_an_error():
               configure=lambda o: overlap_optimizer(o, backwards_per_step=MICRO_BATCHES))
 
 
+def _halve_through(route: str):
+    """An ``after_backward`` that halves every gradient through ``route``: ``.data``,
+    ``detach()`` or a view, which a write into ``.grad`` itself does not cover."""
+    def halve(grad):
+        if route == "data":
+            grad.data.mul_(0.5)
+        elif route == "detach":
+            grad.detach().mul_(0.5)
+        else:
+            grad.view(-1).mul_(0.5)
+    return lambda net: (lambda step: [halve(p.grad) for p in net.parameters()
+                                      if p.grad is not None])
+
+
+@pytest.mark.parametrize("route", ["data", "detach", "view"])
+def test_a_write_through_an_alias_of_a_stepped_gradient_is_an_error(route):
+    _, model, batch = _pair()
+    with pytest.raises(StormOverlapError, match="written.*enabled=False"):
+        _loop(model, batch, storm(**CPU_TEST_OPTIONS), after_backward=_halve_through(route)(model),
+              configure=lambda o: overlap_optimizer(o, backwards_per_step=MICRO_BATCHES))
+
+
+@pytest.mark.parametrize("route", ["data", "detach", "view"])
+def test_a_write_through_an_alias_while_storm_learns_keeps_the_slow_path(route):
+    reference, model, batch = _pair()
+    expected = _loop(reference, batch, storm(**CPU_TEST_OPTIONS),
+                     after_backward=_halve_through(route)(reference))
+    with pytest.warns(RuntimeWarning, match="written between the last backward"):
+        result = _loop(model, batch, storm(**CPU_TEST_OPTIONS),
+                       after_backward=_halve_through(route)(model))
+    _assert_trains_like(result, expected)
+    assert not any(result[2])
+
+
+def test_a_gradient_read_through_data_reads_the_stepped_gradient():
+    reference, model, batch = _pair()
+    want, got = [], []
+
+    def norms(net, into):
+        return lambda step: into.append(sum(float(p.grad.data.float().square().sum())
+                                            for p in net.parameters() if p.grad is not None))
+
+    expected = _loop(reference, batch, storm(**CPU_TEST_OPTIONS),
+                     after_backward=norms(reference, want))
+    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), after_backward=norms(model, got),
+                   configure=lambda o: overlap_optimizer(o, backwards_per_step=MICRO_BATCHES))
+    _assert_trains_like(result, expected)
+    assert got == pytest.approx(want)
+    assert all(result[2])
+
+
 def test_an_infinite_clip_keeps_a_stated_fast_path_and_trains_right():
     """The Hugging Face Trainer's grad-norm log, ``clip_grad_norm_(..., inf)``, multiplies
     every gradient by one: with the count stated, storm skips it."""

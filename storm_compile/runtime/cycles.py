@@ -97,8 +97,10 @@ IN_PLACE_OPERATORS = frozenset({
 })
 """Python's in-place operators and item assignment on a tensor: writes, like torch's ops whose
 names end in one underscore."""
-_DATA = (torch.Tensor.data.__get__, torch.Tensor.data.__set__)
-"""``.data``, read or replaced: a write through it cannot be followed, so it counts as one."""
+_DATA_GET = torch.Tensor.data.__get__
+_DATA_SET = torch.Tensor.data.__set__
+"""``.data`` replaced is a write; read, it is the same gradient, handed out guarded again, since a
+write through it moves no version counter."""
 _MULTIPLICATIONS = (torch.Tensor.mul_, foreach_mul_)
 
 
@@ -107,7 +109,7 @@ def _written(func, args: tuple, kwargs: dict) -> list:
     it, for a ``_foreach`` op) when it works in place, and its ``out``."""
     name = getattr(func, "__name__", "")
     targets = []
-    if args and (func in _DATA or name in IN_PLACE_OPERATORS
+    if args and (func == _DATA_SET or name in IN_PLACE_OPERATORS
                  or (name.endswith("_") and not name.endswith("__"))):
         targets += args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
     out = kwargs.get("out")
@@ -139,8 +141,10 @@ class HeldGrad(torch.Tensor):
     leads to: the gradient itself (the same storage; ops on it return plain tensors), whose
     in-place writes are first reported to ``storm_on_write(times_one)`` (``times_one``: the
     write multiplies by exactly one), which raises, or returns whether to skip the write; its
-    2-norm is ``storm_norm()`` where that gives one (computed on the device before the
-    gradient came home), else computed here."""
+    ``.data`` is guarded the same way; its 2-norm is ``storm_norm()`` where that gives one
+    (computed on the device before the gradient came home), else computed here. A write
+    through a view or ``detach()`` of it moves the gradient's version counter, which storm
+    reads before the optimizer step."""
 
     storm_on_write: Callable[[bool], bool]
     storm_norm: Callable[[], torch.Tensor | None]
@@ -148,6 +152,10 @@ class HeldGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func == _DATA_GET:
+            with DisableTorchFunctionSubclass():
+                data = func(*args, **kwargs)
+            return held(data, args[0].storm_on_write, args[0].storm_norm)
         if _two_norm(func, args, kwargs) and isinstance(args[0], HeldGrad):
             norm = args[0].storm_norm()
             if norm is not None:

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -285,6 +286,9 @@ class HostAdder:
         self._launched = threading.Event()
         self.norms = WeakIdKeyDictionary()
         """A :class:`KeptNorm` per parameter whose ``.grad`` is one gradient copied home."""
+        self.versions = WeakIdKeyDictionary()
+        """The version of each parameter's ``.grad`` after this object's last addition into it
+        since the last optimizer step: a later one is someone else's write."""
         self._finished = threading.Condition()
         self._handed_over = 0
         self._done = 0
@@ -428,6 +432,7 @@ class HostAdder:
                 if norm is not None:
                     grad = _TENSOR_GRAD.__get__(param)
                     self.norms[param] = KeptNorm(norm, grad.data_ptr(), grad._version)
+            self.versions[param] = _TENSOR_GRAD.__get__(param)._version
         if counted:
             with self._lock:
                 self._steps[id(param)].adds_left -= 1
@@ -511,7 +516,8 @@ class TransferRuntime:
         self._in_step = 0
         self._steps_streamed = False
         self._warned_pinning = False
-        self._warned_writes: set[int] = set()
+        self._warned_writes: weakref.WeakSet = weakref.WeakSet()
+        """Optimizers warned about writes (held weakly: a new one may reuse a dead one's id)."""
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._d2h:
@@ -775,8 +781,9 @@ class TransferRuntime:
         if self._adder.on_thread():
             return
         self._adder.join()
-        self._in_step += 1
         streamed = streamed_parameters(optimizer)
+        self._check_writes(streamed)
+        self._in_step += 1
         self._steps_streamed = bool(streamed)
         self._hide_stepped(streamed)
         cycle = self.cycles.observe(optimizer, streamed, self.backwards)
@@ -788,13 +795,23 @@ class TransferRuntime:
             return
         if cycle.enabled and cycle.backwards_per_step is None:
             cycle.enabled = False
-            if id(optimizer) not in self._warned_writes:
-                self._warned_writes.add(id(optimizer))
+            if optimizer not in self._warned_writes:
+                self._warned_writes.add(optimizer)
                 warnings.warn(
                     f"storm: the gradients of streamed parameters are written between the last "
                     f"backward and {type(optimizer).__name__}.step() (gradient clipping, a grad "
                     f"scaler), so this optimizer steps them after the backward instead of "
                     f"during it", RuntimeWarning, stacklevel=2)
+
+    def _check_writes(self, streamed: list[torch.Tensor]) -> None:
+        """Judge, as :meth:`_grad_written` does, each of ``streamed`` whose ``.grad`` moved its
+        version since storm's last addition into it: written through a view, ``detach()`` or
+        anything else that the :class:`~storm_compile.runtime.cycles.HeldGrad` did not see."""
+        for param in streamed:
+            version = self._adder.versions.pop(param, None)
+            grad = _TENSOR_GRAD.__get__(param)
+            if version is not None and grad is not None and grad._version != version:
+                self._grad_written(param, times_one=False)
 
     def _hide_stepped(self, streamed: list[torch.Tensor]) -> None:
         """Set aside the ``.grad`` of each of ``streamed`` that was stepped during the

@@ -288,7 +288,8 @@ class HostAdder:
         """A :class:`KeptNorm` per parameter whose ``.grad`` is one gradient copied home."""
         self.versions = WeakIdKeyDictionary()
         """The version of each parameter's ``.grad`` after this object's last addition into it
-        since the last optimizer step: a later one is someone else's write."""
+        since the last optimizer step over streamed parameters: a later one is someone else's
+        write."""
         self._finished = threading.Condition()
         self._handed_over = 0
         self._done = 0
@@ -836,6 +837,7 @@ class TransferRuntime:
         if self._steps_streamed:
             self.backwards = 0
             self._written_after = None
+            self._adder.versions.clear()
 
     def warn_pinning_failed(self, nbytes: int, limit: int) -> None:
         if not self._warned_pinning:

@@ -14,8 +14,7 @@ once an optimizer has stepped :data:`STABLE_CYCLES` times after the same number 
 backwards, with nothing writing into the streamed gradients between the last backward and the
 step, the ``n``-th backward of every later step also steps that optimizer for each streamed
 parameter as soon as its gradient is complete, on the host thread, while the GPU finishes the
-backward.
-``optimizer.step()`` then steps only the parameters left on the device.
+backward. ``optimizer.step()`` then steps only the parameters left on the device.
 
 Reading the gradients between the last backward and the step (a norm for the logs) changes
 nothing: a parameter stepped during the backward keeps its ``.grad`` until ``zero_grad``, and
@@ -163,7 +162,7 @@ class HeldGrad(torch.Tensor):
         written = _written(func, args, kwargs)
         if written:
             times_one = _times_one(func, args)
-            skip = [held.storm_on_write(times_one) for held in written]
+            skip = [grad.storm_on_write(times_one) for grad in written]
             if all(skip):
                 return None if func is foreach_mul_ else args[0]
         with DisableTorchFunctionSubclass():

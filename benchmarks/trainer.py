@@ -23,7 +23,9 @@ A. ``transformers.Trainer`` trains a ``LlamaForCausalLM`` built from a config wi
      Trainer's own AdamW and clipping; ``storm-streamed-overlapped``: the same, the Trainer
      handed :func:`overlapped_adamw` with ``max_grad_norm=0`` (docs/trainers.md's fast loop);
      ``storm-streamed-plain``: the same model and optimizer in a plain loop
-     (:func:`plain_loop`), the speed the fast loop is held against (:data:`FAST_LOOP`).
+     (:func:`plain_loop`), the speed the fast loop is held against (:data:`FAST_LOOP`);
+     ``storm-streamed-plain-autocast``: that loop with its forward under bfloat16 autocast, as
+     the Trainer runs it.
 
    Per variant: each optimizer step's wall time (forward, backward, clipping, optimizer step),
    from a ``TrainerCallback``'s ``on_step_begin`` to its ``on_step_end``, synchronised at both;
@@ -190,6 +192,9 @@ class Variant:
     """The Trainer is handed :func:`overlapped_adamw` and clips nothing (``max_grad_norm=0``)."""
     plain: bool = False
     """A plain loop over the same model and :func:`overlapped_adamw`, instead of the Trainer."""
+    autocast: bool = False
+    """The plain loop's forward under bfloat16 autocast, as the Trainer runs it with
+    ``bf16=True`` (on CUDA)."""
 
     @property
     def reference(self) -> str | None:
@@ -229,6 +234,10 @@ VARIANTS = (
             "the same model and AdamW(fused=True) in a plain loop: backward(), step(), "
             "zero_grad(), a constant learning rate", budget=STREAMED_LORA_BUDGET,
             streamed=True, plain=True),
+    Variant("storm-streamed-plain-autocast", "storm",
+            "the same plain loop, its forward under bfloat16 autocast as the Trainer's "
+            "(bf16=True)", budget=STREAMED_LORA_BUDGET, streamed=True, plain=True,
+            autocast=True),
 )
 FAST_LOOP = ("storm-streamed-overlapped", "storm-streamed-plain")
 """The Trainer's fast loop over streamed weights and the plain loop it is held against."""
@@ -431,7 +440,10 @@ def plain_loop(variant: Variant, run: Run, steps: int) -> dict:
         if step == warmup:
             run.dev.reset_peak()
         begin = time.perf_counter()
-        loss = model(input_ids=batch, labels=batch).loss
+        precision = torch.autocast(run.device, dtype=torch.bfloat16) \
+            if variant.autocast and run.dev.cuda else contextlib.nullcontext()
+        with precision:
+            loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

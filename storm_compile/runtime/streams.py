@@ -692,19 +692,17 @@ class TransferRuntime:
         if not self._adder.on_thread() and not self._in_step:
             self.backwards = 0
 
-    def read_grad(self, param: torch.Tensor) -> None:
-        """``param``'s ``.grad`` is about to be read off the host thread: wait for its pending
-        additions (raising the first error one hit)."""
-        if not self._adder.on_thread():
-            self._adder.settle()
-
-    def handed_out(self, param: torch.Tensor, grad: torch.Tensor | None
-                   ) -> torch.Tensor | HeldGrad | None:
-        """What a read of ``param.grad`` returns: ``grad``, or, off the host thread and outside
-        an optimizer step once a backward brought streamed gradients, ``grad`` as a
-        :class:`~storm_compile.runtime.cycles.HeldGrad` whose writes :meth:`_grad_written`
+    def read_grad(self, param: torch.Tensor) -> torch.Tensor | HeldGrad | None:
+        """What a read of ``param.grad`` returns, once its pending additions are done (raising
+        the first error one hit, off the host thread): the gradient, or, off the host thread
+        and outside an optimizer step once a backward brought streamed gradients, the gradient
+        as a :class:`~storm_compile.runtime.cycles.HeldGrad` whose writes :meth:`_grad_written`
         judges and whose 2-norm :meth:`kept_norm` gives where it can."""
-        if grad is None or self._adder.on_thread() or self._in_step or not self.backwards:
+        on_thread = self._adder.on_thread()
+        if not on_thread:
+            self._adder.settle()
+        grad = _TENSOR_GRAD.__get__(param)
+        if grad is None or on_thread or self._in_step or not self.backwards:
             return grad
         return held(grad, functools.partial(self._grad_written, param),
                     functools.partial(self.kept_norm, param, grad))

@@ -83,9 +83,7 @@ class HostParameter(nn.Parameter):
 
     @property
     def grad(self) -> torch.Tensor | None:
-        runtime = get_runtime()
-        runtime.read_grad(self)
-        return runtime.handed_out(self, _TENSOR_GRAD.__get__(self))
+        return get_runtime().read_grad(self)
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:

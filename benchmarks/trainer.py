@@ -25,7 +25,8 @@ A. ``transformers.Trainer`` trains a ``LlamaForCausalLM`` built from a config wi
      ``storm-streamed-plain``: the same model and optimizer in a plain loop
      (:func:`plain_loop`), the speed the fast loop is held against (:data:`FAST_LOOP`);
      ``storm-streamed-plain-autocast``: that loop with its forward under bfloat16 autocast, as
-     the Trainer runs it.
+     the Trainer runs it; ``storm-streamed-overlapped-bf16-model``: the fast loop with
+     ``bf16=False``, so the Trainer runs the bfloat16 model without autocast.
 
    Per variant: each optimizer step's wall time (forward, backward, clipping, optimizer step),
    from a ``TrainerCallback``'s ``on_step_begin`` to its ``on_step_end``, synchronised at both;
@@ -230,6 +231,10 @@ VARIANTS = (
             "the same; the Trainer handed overlap_optimizer(AdamW(fused=True), "
             "backwards_per_step=1), max_grad_norm=0 (docs/trainers.md)",
             budget=STREAMED_LORA_BUDGET, streamed=True, overlapped=True),
+    Variant("storm-streamed-overlapped-bf16-model", "storm",
+            "the same fast loop with bf16=False: the model is already bfloat16, so the "
+            "Trainer runs its forward without autocast", budget=STREAMED_LORA_BUDGET,
+            training={"bf16": False}, streamed=True, overlapped=True),
     Variant("storm-streamed-plain", "storm",
             "the same model and AdamW(fused=True) in a plain loop: backward(), step(), "
             "zero_grad(), a constant learning rate", budget=STREAMED_LORA_BUDGET,
@@ -474,11 +479,12 @@ def train(variant: Variant, run: Run, steps: int, compiled: bool) -> dict:
     timer = StepTimer(run.dev, warmup, last=steps - 1,
                       history=variant.name in run.history and run.dev.cuda)
     clipping = {"max_grad_norm": 0.0} if variant.overlapped else {}
-    args = TrainingArguments(
-        output_dir=str(run.out / "trainer-output"), max_steps=steps,
-        per_device_train_batch_size=sizes.batch, logging_steps=1, report_to=[],
-        save_strategy="no", learning_rate=LEARNING_RATE, bf16=run.dev.cuda,
-        use_cpu=not run.dev.cuda, disable_tqdm=True, seed=SEED, **clipping, **variant.training)
+    args = TrainingArguments(**{
+        "output_dir": str(run.out / "trainer-output"), "max_steps": steps,
+        "per_device_train_batch_size": sizes.batch, "logging_steps": 1, "report_to": [],
+        "save_strategy": "no", "learning_rate": LEARNING_RATE, "bf16": run.dev.cuda,
+        "use_cpu": not run.dev.cuda, "disable_tqdm": True, "seed": SEED, **clipping,
+        **variant.training})
     rows = token_rows(sizes, max(run.steps, run.loss_steps) * sizes.batch)
     data = [{"input_ids": row, "labels": row} for row in rows]
     optimizer = overlapped_adamw(model) if variant.overlapped else None
@@ -783,7 +789,8 @@ def _parse(argv):
     trainer_names = [v.name for v in VARIANTS]
     step_names = [v.name for v in STEP_VARIANTS]
     parser.add_argument("--variants", default=",".join(trainer_names),
-                        help="part A's, comma-separated (default: all; empty: none)")
+                        help="part A's, comma-separated, run in that order (default: all; "
+                             "empty: none)")
     parser.add_argument("--lora-variants", default=",".join(step_names),
                         help="part B's, comma-separated (default: all; empty: none)")
     parser.add_argument("--steps", type=int, default=STEPS, help="Trainer steps per variant")
@@ -846,7 +853,8 @@ def _run(args) -> None:
                            "summary": {}},
                "lora_step": {"sizes": sizes["lora_step"], "rows": []}}
     part_a = results["trainer"]
-    for variant in (v for v in VARIANTS if v.name in args.variants):
+    by_name = {v.name: v for v in VARIANTS}
+    for variant in (by_name[name] for name in args.variants):
         row = trainer_row(variant, run)
         part_a["rows"].append(row)
         part_a["summary"] = summary(part_a["rows"])

@@ -1,16 +1,16 @@
 """Cold and warm compile time of storm against Inductor, each in a fresh process.
 
-For each model of ``--models`` and each backend (``inductor``: plain ``torch.compile``;
-``storm``: storm's defaults, or, for a streamed model, its byte budget), a child process times
-its first fw+bw step (wall clock: Dynamo, AOTAutograd, storm's passes, Inductor) with empty
-cache directories (``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` in a new temporary
-directory) = cold, then a second fresh child with the same directories = warm. Each child
-prints one JSON line: the first-step seconds, the median of the steps after it, and Inductor's
-FX graph cache and AOTAutograd cache counters, the reasons the caches logged for a bypass, the
-seconds of each compile phase torch timed (per call) and the number of kernels Inductor
-generated; ``results.json`` keeps them. The parent counts the child's stderr lines that show a traceback or a failed pickle (a cache
-entry that could not be written) and its warning lines, and keeps each stderr in the output
-directory.
+For each model of ``--models`` and each backend (``inductor``: plain ``torch.compile``; ``storm``:
+storm's defaults, or, for a streamed model, its byte budget), a child process times its first fw+bw
+step (wall clock: Dynamo, AOTAutograd, storm's passes, Inductor) with empty cache directories
+(``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` in a new temporary directory) = cold, then a
+second fresh child with the same directories = warm. Each child prints one JSON line: the first-step
+seconds, the median of the steps after it, and Inductor's FX graph cache and AOTAutograd cache
+counters (the table also divides the warm first step less the steady step, its compile alone, by
+Inductor's), the reasons the caches logged for a bypass, the seconds of each compile phase torch
+timed (per call) and the number of kernels Inductor generated; ``results.json`` keeps them. The
+parent counts the child's stderr lines that show a traceback or a failed pickle (a cache entry that
+could not be written) and its warning lines, and keeps each stderr in the output directory.
 
 Models: ``gpt-L<n>``: the built-in gpt with n blocks; ``llama-<preset>``: a Llama preset
 (:data:`~storm_compile.cli.models.LLAMA_PRESETS`) at :data:`LLAMA_TOKENS` tokens, its loss
@@ -278,8 +278,8 @@ def _reused(rows: list[dict], backend: str, model: str) -> dict | None:
     return None
 
 
-def _seconds(row: dict | None, phase: str) -> float | None:
-    return None if row is None else row[phase].get("first_step_s")
+def _seconds(row: dict | None, phase: str, figure: str = "first_step_s") -> float | None:
+    return None if row is None else row[phase].get(figure)
 
 
 def _counts(row: dict, group: str) -> str:
@@ -302,6 +302,9 @@ def markdown(rows: list[dict]) -> str:
             "cold s": _seconds(r, "cold"), "warm s": _seconds(r, "warm"),
             "cold × inductor": _ratio(_seconds(r, "cold"), _seconds(ref, "cold")),
             "warm × inductor": _ratio(_seconds(r, "warm"), _seconds(ref, "warm")),
+            "steady step s": _seconds(r, "warm", "steady_step_s"),
+            "warm compile × inductor": _ratio(_seconds(r, "warm", "compile_s"),
+                                              _seconds(ref, "warm", "compile_s")),
             "FX graph cache hit/miss/bypass (cold; warm)": _counts(r, "inductor"),
             "AOT autograd cache hit/miss/bypass (cold; warm)": _counts(r, "aot_autograd"),
             "stderr errors (cold; warm)":

@@ -394,6 +394,27 @@ def test_compile_time_splits_a_first_step_into_torchs_timed_phases(monkeypatch):
     assert len(lines) == 3 and "| cold " in lines[2] and "8.5" in lines[2]
 
 
+def test_compile_time_divides_the_warm_compile_less_the_steady_step():
+    from benchmarks import compile_time
+
+    counters = {name: 0 for names in compile_time.CACHE_COUNTERS.values() for name in names}
+
+    def phase(first_s, steady_s):
+        return {"first_step_s": first_s, "steady_step_s": steady_s,
+                "compile_s": first_s - steady_s, "stderr_errors": 0, "stderr_warnings": 0,
+                **counters}
+
+    rows = [{"model": "m", "backend": "inductor", "cold": phase(10.0, 0.5),
+             "warm": phase(4.5, 0.5)},
+            {"model": "m", "backend": "storm", "cold": phase(12.0, 1.5), "warm": phase(7.0, 1.5)}]
+    header, _, _, storm_line = compile_time.markdown(rows).splitlines()[:4]
+    cells = dict(zip((c.strip() for c in header.split("|")),
+                     (c.strip() for c in storm_line.split("|"))))
+    assert cells["warm × inductor"] == "1.56"
+    assert cells["steady step s"] == "1.5"
+    assert cells["warm compile × inductor"] == "1.38"
+
+
 @pytest.mark.parametrize("backend", ["inductor", "storm"])
 def test_every_compile_phase_names_what_this_torch_times(backend):
     """A compile that no cache serves times a name of every phase but a cache hit's load: a

@@ -69,7 +69,7 @@ CPU_SHAPE = GPTShape(d_model=256, heads=4, seq=256, batch=2, dtype="float32")
 LLAMA_TOKENS = 4096
 """Tokens of a Llama preset's step on CUDA (one sequence): the streaming benchmark's first
 point."""
-STREAMED_BUDGETS = {"1b": "14GiB", "3b": "14GiB", "8b": "22GiB", "tiny": "1MiB"}
+STREAMED_BUDGETS = {"1b": "14GiB", "3b": "14GiB", "8b": "22GiB", "tiny": "2MiB"}
 """storm's byte budget for a streamed preset: the streaming benchmark's (a 16 GiB cap for 3B,
 24 GiB for 8B, 2 GiB of each left to the allocator and the caching of blocks)."""
 STEADY_STEPS = 3

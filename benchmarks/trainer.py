@@ -43,7 +43,9 @@ A. ``transformers.Trainer`` trains a ``LlamaForCausalLM`` built from a config wi
    fastest ``storm-<x>`` row whose peak is at most that peak and divides its step by theirs
    (the goals, :data:`GOALS`, are reported, not asserted), says whether storm's peak is
    non-increasing as its budget falls, and divides the Trainer's fast loop over streamed
-   weights by the plain loop's step.
+   weights by the plain loop's step (the means of their rows, where ``--variants`` names them
+   more than once, as in ``--variants storm-streamed-plain,storm-streamed-overlapped,
+   storm-streamed-plain,storm-streamed-overlapped``: alternated, so that drift falls on both).
 B. A plain loop (no Trainer): peft LoRA on every projection of a 2-layer d1024
    ``LlamaForCausalLM`` (:data:`LORA_STEP_LLAMA`), 4 × 1024 tokens, bf16, AdamW over the
    adapters. Variants (``--lora-variants``): ``inductor``, ``storm`` (defaults), ``storm-0.5``
@@ -566,11 +568,12 @@ def summary(rows: list[dict]) -> dict:
                          "storm_step_ms": best["step_ms"] if best else None,
                          "storm_peak_gib": best["peak_gib"] if best else None,
                          "step_ratio": _ratio(best["step_ms"], ref["step_ms"]) if best else None}
-    timed = {r["variant"]: r for r in rows if "step_ms" in r}
-    fast, plain = (timed.get(name) for name in FAST_LOOP)
-    if fast is not None and plain is not None:
-        result["fast_loop"] = {"trainer_ms": fast["step_ms"], "plain_ms": plain["step_ms"],
-                               "ratio": _ratio(fast["step_ms"], plain["step_ms"])}
+    fast, plain = ([r["step_ms"] for r in rows if r["variant"] == name and "step_ms" in r]
+                   for name in FAST_LOOP)
+    if fast and plain:
+        result["fast_loop"] = {"trainer_ms": statistics.mean(fast),
+                               "plain_ms": statistics.mean(plain), "runs": len(fast),
+                               "ratio": _ratio(statistics.mean(fast), statistics.mean(plain))}
     if len(budgets) == len(STORM_BUDGETS):
         peaks = [r["peak_gib"] for r in budgets]
         result["budget_peaks_gib"] = peaks
@@ -709,7 +712,8 @@ def summary_lines(result: dict) -> str:
         fast = result["fast_loop"]
         lines.append(f"- streamed weights: the Trainer's fast loop ({FAST_LOOP[0]}) "
                      f"{fast['trainer_ms']:.1f} ms against the plain loop's "
-                     f"{fast['plain_ms']:.1f} ms ({fast['ratio']:.3f}×)")
+                     f"{fast['plain_ms']:.1f} ms ({fast['ratio']:.3f}×"
+                     + (f", means of {fast['runs']} runs each)" if fast["runs"] > 1 else ")"))
     lines = [wrapped(line) for line in lines]
     if "peak_non_increasing" in result:
         peaks = " → ".join(f"{p:.2f}" for p in result["budget_peaks_gib"])
@@ -789,8 +793,8 @@ def _parse(argv):
     trainer_names = [v.name for v in VARIANTS]
     step_names = [v.name for v in STEP_VARIANTS]
     parser.add_argument("--variants", default=",".join(trainer_names),
-                        help="part A's, comma-separated, run in that order (default: all; "
-                             "empty: none)")
+                        help="part A's, comma-separated, run in that order, a name given "
+                             "twice run twice (default: all; empty: none)")
     parser.add_argument("--lora-variants", default=",".join(step_names),
                         help="part B's, comma-separated (default: all; empty: none)")
     parser.add_argument("--steps", type=int, default=STEPS, help="Trainer steps per variant")

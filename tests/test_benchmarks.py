@@ -394,6 +394,17 @@ def test_compile_time_splits_a_first_step_into_torchs_timed_phases(monkeypatch):
     assert len(lines) == 3 and "| cold " in lines[2] and "8.5" in lines[2]
 
 
+def test_trainer_summary_divides_the_means_of_alternated_fast_and_plain_loops():
+    from benchmarks import trainer
+
+    fast, plain = trainer.FAST_LOOP
+    rows = [{"variant": name, "step_ms": ms}
+            for name, ms in ((plain, 100.0), (fast, 120.0), (plain, 110.0), (fast, 111.0))]
+    loop = trainer.summary(rows)["fast_loop"]
+    assert (loop["trainer_ms"], loop["plain_ms"], loop["runs"]) == (115.5, 105.0, 2)
+    assert loop["ratio"] == pytest.approx(1.1)
+
+
 def test_compile_time_divides_the_warm_compile_less_the_steady_step():
     from benchmarks import compile_time
 

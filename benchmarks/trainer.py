@@ -26,7 +26,9 @@ A. ``transformers.Trainer`` trains a ``LlamaForCausalLM`` built from a config wi
      (:func:`plain_loop`), the speed the fast loop is held against (:data:`FAST_LOOP`);
      ``storm-streamed-plain-autocast``: that loop with its forward under bfloat16 autocast, as
      the Trainer runs it; ``storm-streamed-overlapped-bf16-model``: the fast loop with
-     ``bf16=False``, so the Trainer runs the bfloat16 model without autocast.
+     ``bf16=False``, so the Trainer runs the bfloat16 model without autocast;
+     ``storm-resident-overlapped`` and ``storm-resident-plain``: the same two loops over the
+     model resident under ``storm(memory_budget=0.5)``, what the Trainer itself costs a step.
 
    Per variant: each optimizer step's wall time (forward, backward, clipping, optimizer step),
    from a ``TrainerCallback``'s ``on_step_begin`` to its ``on_step_end``, synchronised at both;
@@ -237,6 +239,12 @@ VARIANTS = (
             "the same fast loop with bf16=False: the model is already bfloat16, so the "
             "Trainer runs its forward without autocast", budget=STREAMED_LORA_BUDGET,
             training={"bf16": False}, streamed=True, overlapped=True),
+    Variant("storm-resident-overlapped", "storm",
+            "storm(memory_budget=0.5), weights resident; the Trainer handed the fast loop's "
+            "optimizer, max_grad_norm=0: the Trainer's own cost per step, beside its plain loop",
+            budget=0.5, overlapped=True),
+    Variant("storm-resident-plain", "storm",
+            "the same resident model and optimizer in a plain loop", budget=0.5, plain=True),
     Variant("storm-streamed-plain", "storm",
             "the same model and AdamW(fused=True) in a plain loop: backward(), step(), "
             "zero_grad(), a constant learning rate", budget=STREAMED_LORA_BUDGET,

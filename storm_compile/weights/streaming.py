@@ -29,7 +29,6 @@ import torch
 from torch import fx, nn
 from torch.nn.utils import parametrize
 
-from storm_compile.config import StormConfig
 from storm_compile.fx.torch_private import DisableTorchFunctionSubclass, is_in_torch_dispatch_mode
 from storm_compile.fx.vocabulary import (
     GIB,
@@ -431,15 +430,7 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
     momentum, 0 for plain SGD or an optimizer elsewhere); its state is made at its first step,
     after the first forward and backward, where running out of host memory would lose that
     work. ``host_check=False`` skips the check, for a model of fake tensors planned for another
-    machine.
-
-    With CUDA and grad mode on, the buffers the first backward sends the trainable streamed
-    parameters' gradients through (pinned copies and the host buffers additions fill) are
-    made on background threads from the moment it returns, within storm's default
-    ``host_memory_limit`` (:meth:`~storm_compile.runtime.streams.TransferRuntime.prepare_backward`):
-    pinning them takes seconds (16 GB for an 8B model at about 5.5 GB/s), hidden under what
-    comes next (the optimizer built, Dynamo tracing the first step). Frozen parameters need
-    none. Raises ``ValueError`` when ``model`` already streams or ``optimizer_states`` is
+    machine. Raises ``ValueError`` when ``model`` already streams or ``optimizer_states`` is
     negative."""
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) \
             or optimizer_states < 0:
@@ -508,21 +499,14 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
     get_runtime().watch_optimizers()
     for name, param in resident:
         _set_data(model, param, source.value(name, param).to(device), False)
-    trained: dict[int, torch.Tensor] = {}
     for module, names in owners.items():
         for name in names:
-            host = getattr(module, name)
-            if host.requires_grad:
-                trained[id(host)] = host
-            key = ids[id(host)]
+            key = ids[id(getattr(module, name))]
             fetch = _Dequantize(device, packed[key]) if key in packed else _Fetch(device)
             parametrize.register_parametrization(module, name, fetch, unsafe=True)
             keep_on_host(module, name)
             _read_streamed(module, name)
         _register_state_dict_names(module, tuple(names))
-    if trained and torch.is_grad_enabled():
-        get_runtime().prepare_backward(list(trained.values())[::-1],
-                                       StormConfig.from_options().host_memory_limit)
     return Streamed(names=tuple(n for n, _ in streamed), host_bytes=host_bytes,
                     resident=tuple(n for n, _ in resident),
                     formats={n: formats[id(p)] for n, p in streamed if id(p) in formats})

@@ -45,9 +45,11 @@ A. ``transformers.Trainer`` trains a ``LlamaForCausalLM`` built from a config wi
    fastest ``storm-<x>`` row whose peak is at most that peak and divides its step by theirs
    (the goals, :data:`GOALS`, are reported, not asserted), says whether storm's peak is
    non-increasing as its budget falls, and divides the Trainer's fast loop over streamed
-   weights by the plain loop's step (the means of their rows, where ``--variants`` names them
-   more than once, as in ``--variants storm-streamed-plain,storm-streamed-overlapped,
-   storm-streamed-plain,storm-streamed-overlapped``: alternated, so that drift falls on both).
+   weights by the plain loop's step, also after taking away the Trainer's own cost a step (the
+   resident pair's difference, where it ran). Each step is the mean of its variant's rows where
+   ``--variants`` names it more than once, as in ``--variants storm-streamed-plain,
+   storm-streamed-overlapped,storm-streamed-plain,storm-streamed-overlapped``: alternated, so
+   that drift falls on both.
 B. A plain loop (no Trainer): peft LoRA on every projection of a 2-layer d1024
    ``LlamaForCausalLM`` (:data:`LORA_STEP_LLAMA`), 4 × 1024 tokens, bf16, AdamW over the
    adapters. Variants (``--lora-variants``): ``inductor``, ``storm`` (defaults), ``storm-0.5``
@@ -256,6 +258,9 @@ VARIANTS = (
 )
 FAST_LOOP = ("storm-streamed-overlapped", "storm-streamed-plain")
 """The Trainer's fast loop over streamed weights and the plain loop it is held against."""
+RESIDENT_LOOP = ("storm-resident-overlapped", "storm-resident-plain")
+"""The same two loops over resident weights: their difference is what the Trainer itself costs
+a step, whatever the weights."""
 
 REFERENCES = {v.name: v.reference for v in VARIANTS}
 
@@ -576,12 +581,19 @@ def summary(rows: list[dict]) -> dict:
                          "storm_step_ms": best["step_ms"] if best else None,
                          "storm_peak_gib": best["peak_gib"] if best else None,
                          "step_ratio": _ratio(best["step_ms"], ref["step_ms"]) if best else None}
-    fast, plain = ([r["step_ms"] for r in rows if r["variant"] == name and "step_ms" in r]
-                   for name in FAST_LOOP)
+    fast, plain, resident_trainer, resident_plain = (
+        [r["step_ms"] for r in rows if r["variant"] == name and "step_ms" in r]
+        for name in (*FAST_LOOP, *RESIDENT_LOOP))
     if fast and plain:
         result["fast_loop"] = {"trainer_ms": statistics.mean(fast),
                                "plain_ms": statistics.mean(plain), "runs": len(fast),
                                "ratio": _ratio(statistics.mean(fast), statistics.mean(plain))}
+        if resident_trainer and resident_plain:
+            cost = statistics.mean(resident_trainer) - statistics.mean(resident_plain)
+            result["fast_loop"].update(
+                trainer_cost_ms=cost,
+                ratio_less_trainer_cost=_ratio(statistics.mean(fast) - cost,
+                                               statistics.mean(plain)))
     if len(budgets) == len(STORM_BUDGETS):
         peaks = [r["peak_gib"] for r in budgets]
         result["budget_peaks_gib"] = peaks
@@ -722,6 +734,10 @@ def summary_lines(result: dict) -> str:
                      f"{fast['trainer_ms']:.1f} ms against the plain loop's "
                      f"{fast['plain_ms']:.1f} ms ({fast['ratio']:.3f}×"
                      + (f", means of {fast['runs']} runs each)" if fast["runs"] > 1 else ")"))
+        if "trainer_cost_ms" in fast:
+            lines.append(f"- the Trainer's own cost a step ({RESIDENT_LOOP[0]} less "
+                         f"{RESIDENT_LOOP[1]}): {fast['trainer_cost_ms']:.1f} ms; the fast loop "
+                         f"less it: {fast['ratio_less_trainer_cost']:.3f}× the plain loop")
     lines = [wrapped(line) for line in lines]
     if "peak_non_increasing" in result:
         peaks = " → ".join(f"{p:.2f}" for p in result["budget_peaks_gib"])

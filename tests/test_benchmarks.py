@@ -403,6 +403,13 @@ def test_trainer_summary_divides_the_means_of_alternated_fast_and_plain_loops():
     loop = trainer.summary(rows)["fast_loop"]
     assert (loop["trainer_ms"], loop["plain_ms"], loop["runs"]) == (115.5, 105.0, 2)
     assert loop["ratio"] == pytest.approx(1.1)
+    assert "trainer_cost_ms" not in loop
+    resident_trainer, resident_plain = trainer.RESIDENT_LOOP
+    rows += [{"variant": resident_plain, "step_ms": 50.0},
+             {"variant": resident_trainer, "step_ms": 56.3}]
+    loop = trainer.summary(rows)["fast_loop"]
+    assert loop["trainer_cost_ms"] == pytest.approx(6.3)
+    assert loop["ratio_less_trainer_cost"] == pytest.approx(1.04)
 
 
 def test_compile_time_divides_the_warm_compile_less_the_steady_step():

@@ -394,7 +394,8 @@ UNPLANNED_DEVICE = (
     "CUDA device (a model on the CPU): storm plans device memory, and this graph compiles "
     "unchanged; move the model and its inputs to the GPU, or pass transfer_cpu_tensors=True "
     "to plan the CPU graph as if it ran on the device")
-"""Warned when a budget or ``offload="all"`` meets a graph :func:`_plans_device` refuses."""
+"""Warned when a budget or ``offload="all"`` meets a graph :func:`_plans_device` refuses whose
+forward reads no tensor on a CUDA device (:func:`_reads_device`)."""
 
 
 def _plans_device(graphs: StormGraphs, ctx: PassContext) -> bool:
@@ -403,6 +404,13 @@ def _plans_device(graphs: StormGraphs, ctx: PassContext) -> bool:
     return ctx.config.transfer_cpu_tensors or any(
         isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cuda"
         for n in saved_values(graphs))
+
+
+def _reads_device(graphs: StormGraphs) -> bool:
+    """Whether the forward reads a tensor on a CUDA device: a graph of a model on the GPU that
+    saves nothing there (a piece between graph breaks) is not a model on the CPU."""
+    return any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cuda"
+               for n in graphs.forward.graph.find_nodes(op="placeholder"))
 
 
 class Goal(enum.Enum):
@@ -432,7 +440,7 @@ def _target(graphs: StormGraphs, ctx: PassContext, baseline: Prediction,
         reached = graphs.plan.target_bytes
         return _Target(Goal.HIDDEN) if reached is None else _Target(Goal.BYTES, reached)
     if not _plans_device(graphs, ctx):
-        if budget.given or ctx.config.offload == "all":
+        if (budget.given or ctx.config.offload == "all") and not _reads_device(graphs):
             warnings.warn(UNPLANNED_DEVICE, RuntimeWarning, stacklevel=2)
         return _Target(Goal.HIDDEN)
     if not budget.given and ctx.config.offload != "all":

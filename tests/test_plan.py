@@ -1,5 +1,6 @@
 """The memory planner: budgets met, numerics kept, recomputation driven through the partitioner."""
 
+import dataclasses
 import operator
 import warnings
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from torch import fx
 from torch._dynamo.exc import BackendCompilerFailed
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers import CPU_TEST_OPTIONS, capture, cost_model, nodes, step
 from storm_compile import storm
@@ -143,6 +145,33 @@ def test_a_budget_storm_cannot_plan_warns_with_the_way_out(options):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             train(**quiet)
+
+
+def test_a_graph_of_a_gpu_model_saving_nothing_there_plans_nothing_without_a_warning():
+    """A piece of a model on the GPU (its forward reads device tensors) that saves nothing on
+    the device is left unplanned without the warning meant for a model on the CPU."""
+    from storm_compile.passes.plan_memory import Goal, _target
+
+    captured = capture("mlp")
+    ctx = StormBackend(StormConfig.from_options(memory_budget=0.5)).ctx
+    graphs = dataclasses.replace(captured, plan=None)
+    saved = set(saved_values(graphs))
+    placeholders = [n for n in graphs.forward.graph.find_nodes(op="placeholder")
+                    if n not in saved]
+    assert placeholders                   # read by the forward, not saved for the backward
+    fake = FakeTensorMode()
+    cpu_values = [n.meta["val"] for n in placeholders]
+    baseline = simulate(graphs, ctx.cost)
+    with pytest.warns(RuntimeWarning, match="move the model and its inputs to the GPU"):
+        _target(graphs, ctx, baseline, 0)
+    for node, value in zip(placeholders, cpu_values):
+        with fake:
+            node.meta["val"] = torch.empty_strided(value.shape, value.stride(),
+                                                   dtype=value.dtype, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target = _target(graphs, ctx, baseline, 0)
+    assert target.goal is Goal.HIDDEN
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -2,7 +2,8 @@
 
 For every zoo model (``bench`` size, bf16 parameters, cuda) and every method (``compile``:
 Inductor, the reference; ``storm``: storm's defaults; ``storm-budget-0.5``:
-``memory_budget=0.5``; ``storm-peak-F``: a byte budget of ``F`` times ``compile``'s step peak):
+``memory_budget=0.5``; ``storm-measured-budget-0.5``: the same with ``cost="measured"``;
+``storm-peak-F``: a byte budget of ``F`` times ``compile``'s step peak):
 a fresh model from the same seed and ``torch._dynamo.reset()``, warm-up steps, then fw+bw steps
 timed with CUDA events (median), activation memory (allocated at the end of the forward minus
 before it: what the step holds for the backward), the step's peak above the same baseline
@@ -51,7 +52,7 @@ REFERENCE = "compile"
 PEAK_FRACTIONS = (0.9, 0.75)
 """Byte budgets measured, as fractions of ``compile``'s step peak."""
 PEAK_METHOD = "storm-peak-"
-METHODS = (REFERENCE, "storm", "storm-budget-0.5",
+METHODS = (REFERENCE, "storm", "storm-budget-0.5", "storm-measured-budget-0.5",
            *(f"{PEAK_METHOD}{fraction}" for fraction in PEAK_FRACTIONS))
 """Inductor, the storm presets of :data:`storm_compile.config.PRESETS` measured here, and the
 byte budgets of :data:`PEAK_FRACTIONS`."""

@@ -152,7 +152,8 @@ STORM_BUDGETS = (0.7, 0.5, 0.3, 0.15, 0.05)
 """storm's ``memory_budget`` fractions in part A, falling: the sweep the summary reads."""
 STREAMED_LORA_BUDGET = 0.5
 """storm's budget of the streamed rows: a fraction bounds activations only and keeps no
-streamed weight on the device, so every base weight crosses the link at every step."""
+streamed weight on the device, so every base weight crosses the link at every step. The
+resident pair runs under it too, so that the two pairs differ only in where weights live."""
 GOALS = {"gc": 0.95, "gc-offload": 0.75}
 """The issue's goals: storm's step at most this fraction of the saver's, at the saver's peak."""
 CHECKPOINTING = {"gradient_checkpointing": True}
@@ -242,11 +243,12 @@ VARIANTS = (
             "Trainer runs its forward without autocast", budget=STREAMED_LORA_BUDGET,
             training={"bf16": False}, streamed=True, overlapped=True),
     Variant("storm-resident-overlapped", "storm",
-            "storm(memory_budget=0.5), weights resident; the Trainer handed the fast loop's "
-            "optimizer, max_grad_norm=0: the Trainer's own cost per step, beside its plain loop",
-            budget=0.5, overlapped=True),
+            f"storm(memory_budget={STREAMED_LORA_BUDGET}), weights resident; the Trainer handed "
+            f"the fast loop's optimizer, max_grad_norm=0: the Trainer's own cost per step, "
+            f"beside its plain loop", budget=STREAMED_LORA_BUDGET, overlapped=True),
     Variant("storm-resident-plain", "storm",
-            "the same resident model and optimizer in a plain loop", budget=0.5, plain=True),
+            "the same resident model and optimizer in a plain loop",
+            budget=STREAMED_LORA_BUDGET, plain=True),
     Variant("storm-streamed-plain", "storm",
             "the same model and AdamW(fused=True) in a plain loop: backward(), step(), "
             "zero_grad(), a constant learning rate", budget=STREAMED_LORA_BUDGET,

@@ -398,19 +398,22 @@ UNPLANNED_DEVICE = (
 forward reads no tensor on a CUDA device (:func:`_reads_device`)."""
 
 
+def _on_cuda(nodes) -> bool:
+    """Whether any of ``nodes`` is a tensor on a CUDA device."""
+    return any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cuda"
+               for n in nodes)
+
+
 def _plans_device(graphs: StormGraphs, ctx: PassContext) -> bool:
     """Whether any saved tensor lives where storm plans (a CUDA device, or any device with
     ``transfer_cpu_tensors``); CPU-only graphs compile unchanged, budget or not."""
-    return ctx.config.transfer_cpu_tensors or any(
-        isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cuda"
-        for n in saved_values(graphs))
+    return ctx.config.transfer_cpu_tensors or _on_cuda(saved_values(graphs))
 
 
 def _reads_device(graphs: StormGraphs) -> bool:
     """Whether the forward reads a tensor on a CUDA device: a graph of a model on the GPU that
     saves nothing there (a piece between graph breaks) is not a model on the CPU."""
-    return any(isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cuda"
-               for n in graphs.forward.graph.find_nodes(op="placeholder"))
+    return _on_cuda(graphs.forward.graph.find_nodes(op="placeholder"))
 
 
 class Goal(enum.Enum):

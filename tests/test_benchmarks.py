@@ -413,6 +413,17 @@ def test_trainer_summary_divides_the_means_of_alternated_fast_and_plain_loops():
     assert loop["ratio_less_trainer_cost"] == pytest.approx(1.04)
 
 
+def test_compile_time_plans_the_tiny_streamed_llama_within_its_budget():
+    """docs/benchmarks.md's CPU command: the tiny streamed preset's byte budget is above the
+    least peak storm predicts for it, so its step plans and runs."""
+    from benchmarks import compile_time
+    from storm_compile import storm
+
+    model, inputs, loss_of, options = compile_time._build("llama-tiny-streamed", "cpu", True)
+    loss_of(torch.compile(model, backend=storm(**options, inner="eager"))(*inputs)).backward()
+    assert options["memory_budget"] == compile_time.STREAMED_BUDGETS["tiny"]
+
+
 def test_compile_time_divides_the_warm_compile_less_the_steady_step():
     from benchmarks import compile_time
 

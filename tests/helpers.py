@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from storm_compile.compiler.backend import StormBackend
-from storm_compile.config import CPU_PLANNING, StormConfig
+from storm_compile.config import CPU_PLANNING, PEAK_MARGIN, MemoryBudget, StormConfig
 from storm_compile.cost.cost_model import CostModel
 from storm_compile.fx.graphs import COST_KEY, StormGraphs
 from storm_compile.runtime import ops
@@ -24,6 +24,16 @@ many of them."""
 
 SEED = 0
 STEP_SEED = 1
+
+
+def asking(planned: int) -> str:
+    """The byte ``memory_budget`` that storm plans as ``planned`` bytes
+    (:attr:`MemoryBudget.planned`: the budget less its margin): a test that derives a budget
+    from predicted bytes asks for this one."""
+    asked = int(planned / (1 - PEAK_MARGIN))
+    while MemoryBudget(nbytes=asked).planned.nbytes < planned:
+        asked += 1
+    return f"{asked}B"
 
 
 def step(name: str, backend

@@ -10,6 +10,7 @@ from storm_compile.config import (
     GIB,
     HOST_MEMORY_FRACTION,
     LOCAL_RANKS_ENV,
+    PEAK_MARGIN,
     MemoryBudget,
     StormOptionError,
     parse_bytes,
@@ -95,6 +96,19 @@ def test_memory_budget_forms(budget, resolved):
     assert MemoryBudget.parse(value) is value
     again = str(value) if value.given else None
     assert StormConfig.from_options(memory_budget=again).memory_budget == value
+
+
+def test_a_byte_budget_is_planned_less_its_margin_and_other_forms_as_given():
+    """Storm plans a byte budget's peak :data:`PEAK_MARGIN` below it, once: the planned budget
+    plans as itself; fractions and "auto" are planned as given; a margin outside [0, 1) is an
+    option error."""
+    planned = MemoryBudget.parse("1000000B").planned
+    assert planned.nbytes == int(1000000 * (1 - PEAK_MARGIN)) < 1000000
+    assert planned.planned == planned
+    for given in (MemoryBudget.parse(0.5), MemoryBudget.parse("auto"), MemoryBudget()):
+        assert given.planned == given
+    with pytest.raises(StormOptionError, match="margin"):
+        MemoryBudget(nbytes=100, margin=1.0)
 
 
 def test_memory_budget_one_form():

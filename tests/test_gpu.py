@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import FP8_GRADIENT_ERROR
+from helpers import FP8_GRADIENT_ERROR, asking
 from storm_compile import StormBackend, StormConfig, storm
 from storm_compile.cli.models import GPTShape, build_gpt
 from storm_compile.cost.simulate import device_bytes, simulate
@@ -150,7 +150,7 @@ def test_a_byte_budget_bounds_the_steps_device_peak():
     assert budget < graphs.plan.baseline.peak_bytes + sum(
         p.nbytes for p in model.parameters()) + x.nbytes
     torch._dynamo.reset()
-    run = torch.compile(loss, backend=storm(memory_budget=f"{budget}B", min_offload_bytes=0))
+    run = torch.compile(loss, backend=storm(memory_budget=asking(budget), min_offload_bytes=0))
     for _ in range(2):                   # compile, and the allocator's first blocks
         model.zero_grad(set_to_none=True)
         run(x).backward()
@@ -176,7 +176,7 @@ def test_a_siamese_step_holds_a_byte_budget_on_device():
     budget = graphs.share.fixed_bytes + graphs.plan.baseline.activation_bytes * 3 // 2
     torch._dynamo.reset()
     model.zero_grad()
-    run = torch.compile(model, backend=storm(memory_budget=f"{budget}B", min_offload_bytes=0))
+    run = torch.compile(model, backend=storm(memory_budget=asking(budget), min_offload_bytes=0))
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         outside = _outside(model, x, y)

@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 
-from helpers import CPU_TEST_OPTIONS, cost_model
+from helpers import CPU_TEST_OPTIONS, asking, cost_model
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
 from storm_compile.compiler import pipeline
 from storm_compile.compiler.backend import StormBackend
@@ -55,7 +55,7 @@ def _budget(room: int) -> str:
     """A byte budget ``room`` bytes above the predicted device peak of the streamed tiny
     Llama's plan with every activation kept and no resident weight."""
     graphs = _streamed_graphs(offload="hidden", memory_budget=1.0)
-    return f"{device_bytes(graphs, simulate(graphs, cost_model())) + room}B"
+    return asking(device_bytes(graphs, simulate(graphs, cost_model())) + room)
 
 
 def _counting(monkeypatch, module, name: str, seen: list, record=lambda result: result):

@@ -11,7 +11,7 @@ import importlib
 
 import torch
 
-from helpers import CPU_TEST_OPTIONS, cost_model, nodes
+from helpers import CPU_TEST_OPTIONS, asking, cost_model, nodes
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
 from storm_compile.compiler import pipeline
 from storm_compile.compiler.backend import StormBackend
@@ -49,7 +49,7 @@ def _streamed(**options):
 
 def _budget() -> str:
     graphs, _ = _streamed(memory_budget=1.0)
-    return f"{device_bytes(graphs, simulate(graphs, cost_model())) + ROOM_BYTES}B"
+    return asking(device_bytes(graphs, simulate(graphs, cost_model())) + ROOM_BYTES)
 
 
 def _repeated(graph: torch.fx.Graph) -> list[str]:

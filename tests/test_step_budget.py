@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import CPU_TEST_OPTIONS
+from helpers import CPU_TEST_OPTIONS, asking
 from storm_compile import StormBackend, StormConfig, storm
 from storm_compile.cli.models import GPTShape, build_gpt
 from storm_compile.compiler import backend
@@ -221,7 +221,7 @@ def test_a_byte_budget_over_a_block_graph_run_by_every_block_is_shared_by_its_ru
     # is left), the second measures the weights each run adds, and from the third the last run
     # keeps room for its least peak and the first three share the rest.
     budget = fixed + per_block + (BLOCKS_SHAPE.layers - 1) * (minimum + inputs)
-    model, x, captured = _blocks_compiled_one_by_one(f"{budget}B")
+    model, x, captured = _blocks_compiled_one_by_one(asking(budget))
     with pytest.warns(RuntimeWarning, match="ran again before the backward"):
         model(x).sum().backward()
     with warnings.catch_warnings(record=True):
@@ -271,7 +271,7 @@ def test_a_siamese_step_shares_a_byte_budget_between_its_two_forwards():
     model, reference = _mlp(), _mlp()
     captured = []
     backend = StormBackend(StormConfig.from_options(
-        **{**PLAN_OPTIONS, "memory_budget": f"{budget}B"}), observer=captured.append)
+        **{**PLAN_OPTIONS, "memory_budget": asking(budget)}), observer=captured.append)
     run = torch.compile(model, backend=backend)
     torch.manual_seed(1)
     for step in range(3):
@@ -298,7 +298,7 @@ def test_a_gan_step_shares_a_byte_budget_between_its_graphs_and_its_runs():
     # for the generated batch: both nets' weights, one run's peak, and room for the other
     # runs' activations.
     budget = fixed + inputs + 2 * activations + activations // 2
-    backend = storm(**PLAN_OPTIONS, memory_budget=f"{budget}B")
+    backend = storm(**PLAN_OPTIONS, memory_budget=asking(budget))
     compiled = torch.compile(generator, backend=backend), torch.compile(discriminator,
                                                                        backend=backend)
     torch.manual_seed(1)
@@ -316,7 +316,7 @@ def test_a_gan_step_shares_a_byte_budget_between_its_graphs_and_its_runs():
 def test_a_validation_loss_kept_with_grad_enabled_trains_within_a_byte_budget():
     model, reference = _mlp(), _mlp()
     run = torch.compile(model, backend=storm(
-        **PLAN_OPTIONS, memory_budget=f"{sum(_mlp_graph_bytes()[:2])}B"))
+        **PLAN_OPTIONS, memory_budget=asking(sum(_mlp_graph_bytes()[:2]))))
     torch.manual_seed(1)
     validation = torch.randn(64, 64)
     kept = run(validation).pow(2).mean()                 # its autograd graph lives on
@@ -337,7 +337,7 @@ def test_a_fraction_budget_over_a_block_graph_holds_for_every_run():
 
 def test_runs_whose_outputs_are_dropped_unused_release_their_share():
     per_block, fixed, minimum, inputs = _block_graph_bytes()
-    model, x, captured = _blocks_compiled_one_by_one(f"{fixed + per_block + minimum + inputs}B")
+    model, x, captured = _blocks_compiled_one_by_one(asking(fixed + per_block + minimum + inputs))
     block = model.blocks[0]
     for _ in range(3):
         block(x)                         # each run's autograd graph is freed at once
@@ -352,7 +352,7 @@ def test_a_byte_budget_with_room_for_every_run_trains():
     per_block, fixed, _, inputs = _block_graph_bytes()
     layers = BLOCKS_SHAPE.layers
     budget = fixed + layers * per_block + (layers - 1) * inputs
-    model, x, _ = _blocks_compiled_one_by_one(f"{budget}B")
+    model, x, _ = _blocks_compiled_one_by_one(asking(budget))
     for _ in range(2):
         model(x).sum().backward()
 
@@ -410,7 +410,7 @@ def test_a_graph_whose_peak_the_earlier_graphs_left_no_room_for_warns_and_trains
     budget = large.share.fixed_bytes + large.plan.baseline.activation_bytes
     torch.manual_seed(0)
     with pytest.warns(RuntimeWarning, match="compiled before this one .* took the room"):
-        _captured_step(BrokenMLP(), (torch.randn(64, 16),), memory_budget=f"{budget}B")
+        _captured_step(BrokenMLP(), (torch.randn(64, 16),), memory_budget=asking(budget))
 
 
 def test_a_graph_planned_in_a_later_step_takes_the_place_of_the_one_run_there():
@@ -545,7 +545,7 @@ def test_a_run_no_plan_fits_is_the_steps_budget_error():
     def replan(room: RunRoom):
         raise StormBudgetError(f"the least predicted peak is {room.peak_bytes + 1} bytes")
 
-    with pytest.raises(StormBudgetError, match="memory_budget 100 bytes .* is the step's.* runs "
+    with pytest.raises(StormBudgetError, match="memory_budget leaves the step 100 bytes .* runs "
                                                "again before the backward: beside the 40 bytes"
                                                ".* least predicted peak is 61 bytes"):
         backend._replanned(replan, RunRoom(60, 60, known=True), 100)

@@ -15,7 +15,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from helpers import CPU_TEST_OPTIONS, cost_model, nodes
+from helpers import CPU_TEST_OPTIONS, asking, cost_model, nodes
 from storm_compile import storm
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
 from storm_compile.cli.report import summary
@@ -443,7 +443,7 @@ def _unbudgeted_device_peak() -> tuple[int, int]:
 def test_a_byte_budget_bounds_a_streamed_graphs_device_peak(fraction):
     peak, weights = _unbudgeted_device_peak()
     budget = int(peak * fraction)
-    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=asking(budget))
     prediction = simulate(graphs, cost_model())
     assert device_bytes(graphs, prediction) <= budget
     assert prediction.activation_bytes <= graphs.plan.target_bytes < budget - weights, \
@@ -460,7 +460,7 @@ def test_a_byte_budget_leaves_room_for_the_working_set_at_the_peak(monkeypatch):
     budget = int(peak * 0.9)
     monkeypatch.setattr(pipeline, "plan_storages", lambda graphs, ctx: _kept(
         plans, plan_storages(graphs, ctx)))
-    _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+    _streamed_graphs(offload="hidden", memory_budget=asking(budget))
     first = plans[0]
     working = first.baseline.peak_bytes - first.baseline.activation_bytes
     assert working > 0
@@ -487,7 +487,7 @@ def test_a_byte_budget_plans_both_ways_to_fit_and_keeps_the_faster(monkeypatch):
 
     monkeypatch.setattr(pipeline, "_fit_peak", recorded)
     peak, _ = _unbudgeted_device_peak()
-    graphs, config = _streamed_graphs(offload="hidden", memory_budget=f"{int(peak * 0.9)}B")
+    graphs, config = _streamed_graphs(offload="hidden", memory_budget=asking(int(peak * 0.9)))
     assert len(fits) == 2 and all(isinstance(fit, pipeline._Fit) for fit in fits)
     assert fits[0].ctx.prefetch_window_bytes != fits[1].ctx.prefetch_window_bytes, \
         "the two ways lower the window differently"
@@ -502,7 +502,7 @@ def test_a_byte_budget_below_every_plans_peak_names_where_the_peak_is():
     budget = int(peak * 0.55)
     assert budget > weights
     with pytest.raises(Exception) as caught:
-        _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+        _streamed_graphs(offload="hidden", memory_budget=asking(budget))
     error = getattr(caught.value, "inner_exception", caught.value)
     assert isinstance(error, StormBudgetError)
     least = int(re.search(r"least predicted peak is (\d+) bytes", str(error)).group(1))
@@ -515,7 +515,7 @@ def test_a_byte_budget_below_the_weights_names_the_largest():
     graphs, config = _streamed_graphs()
     weights = streaming.device_weights(graphs.forward, config.prefetch_window_bytes)
     with pytest.raises(Exception) as caught:
-        _streamed_graphs(offload="hidden", memory_budget=f"{weights.nbytes}B")
+        _streamed_graphs(offload="hidden", memory_budget=asking(weights.nbytes))
     error = getattr(caught.value, "inner_exception", caught.value)
     assert isinstance(error, StormBudgetError)
     assert "largest streamed weight while it is read" in str(error)
@@ -530,7 +530,7 @@ def test_a_streamed_graph_run_twice_before_its_backward_is_planned_again_for_wha
     reference, model, (tokens, targets) = _pair()
     captured = []
     config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, "offload": "hidden",
-                                         "recompute": True, "memory_budget": f"{peak}B"})
+                                         "recompute": True, "memory_budget": asking(peak)})
     run = torch.compile(model, backend=StormBackend(config, observer=captured.append))
     compiled = []
     # The first step shows the second run, the second measures the inputs it adds; from the
@@ -558,7 +558,7 @@ def test_a_later_run_no_plan_fits_raises_the_budget_error_at_its_call(monkeypatc
     monkeypatch.setattr(StepBudget, "run_room", lambda step, graph, budget: (
         RunRoom(1, 1, known=True) if step.runs_held(graph) else None))
     config = StormConfig.from_options(**{**CPU_TEST_OPTIONS, "offload": "hidden",
-                                         "recompute": True, "memory_budget": f"{peak}B"})
+                                         "recompute": True, "memory_budget": asking(peak)})
     run = torch.compile(model, backend=StormBackend(config))
     first = run(tokens, targets)
     with pytest.raises(StormBudgetError, match="runs again before the backward") as caught:
@@ -580,7 +580,7 @@ def test_a_streamed_graph_run_twice_before_its_backward_trains_on_the_gpu():
     torch.compile(model, backend=probe)(tokens, targets).backward()
     budget = peaks[0]
     torch._dynamo.reset()
-    run = torch.compile(model, backend=storm(min_offload_bytes=0, memory_budget=f"{budget}B"))
+    run = torch.compile(model, backend=storm(min_offload_bytes=0, memory_budget=asking(budget)))
     compiled = torch.compile(reference, backend="inductor")
     flipped = tokens.flip(0), targets.flip(0)
     for _ in range(STEPS):
@@ -806,7 +806,7 @@ def test_room_left_by_a_byte_budget_keeps_the_earliest_read_weights_on_the_devic
     assert plain.storages.resident == () and not nodes(plain.forward, ops.resident_weight)
     order = _weights_in_read_order(plain)
     budget = _budget_with_room(2 * tensor_bytes(order[0].meta["val"]))
-    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=asking(budget))
     kept = [w.name for w in graphs.storages.resident]
     names = [w.name for w in order]
     assert kept and kept[0] == names[0] and len(kept) < len(names)
@@ -824,14 +824,14 @@ def test_more_room_keeps_more_weights_and_never_passes_the_budget():
     counts = []
     for room in (0, 1 << 18, 1 << 30):
         budget = _budget_with_room(room)
-        graphs, _ = _streamed_graphs(offload="hidden", memory_budget=f"{budget}B")
+        graphs, _ = _streamed_graphs(offload="hidden", memory_budget=asking(budget))
         assert device_bytes(graphs, simulate(graphs, cost_model())) <= budget
         counts.append(len(graphs.storages.resident))
     assert counts == sorted(counts) and counts[0] < counts[-1] == streamed
 
 
 def test_resident_weights_rewrite_is_idempotent():
-    options = {"offload": "hidden", "memory_budget": f"{_budget_with_room(1 << 30)}B"}
+    options = {"offload": "hidden", "memory_budget": asking(_budget_with_room(1 << 30))}
     graphs, config = _streamed_graphs(**options)
     assert len(graphs.storages.resident) == len(nodes(graphs.forward, ops.resident_weight)) > 0
     assert not nodes(graphs.forward, ops.prefetch), "every weight is kept on the device"
@@ -844,7 +844,7 @@ def test_resident_weights_follow_the_optimizer():
     """Every weight kept on the device: its copy there is refreshed after each optimizer step,
     so training matches the model it came from."""
     reference, model, batch = _pair()
-    budget = f"{_budget_with_room(1 << 30)}B"
+    budget = asking(_budget_with_room(1 << 30))
     backend = storm(**{**CPU_TEST_OPTIONS, "offload": "hidden", "memory_budget": budget})
     ref_losses, ref_params = _train(reference, batch, storm(**CPU_TEST_OPTIONS), lr=1e-2,
                                     fused=True, scheduled=True)

@@ -226,7 +226,7 @@ class StormBackend:
             return compiled
         replan = None if original is None else functools.partial(
             self._planned_for, original, example_inputs, TracingContext.try_get())
-        return _counting_runs(compiled, step, step.last, budget.nbytes, replan)
+        return _counting_runs(compiled, step, step.last, budget.planned.nbytes, replan)
 
     def _planned_for(self, gm: fx.GraphModule, example_inputs: list[Any], context: Any,
                      room: RunRoom) -> tuple[Callable, GraphShare]:
@@ -238,7 +238,8 @@ class StormBackend:
         compile (its fake tensors' shape environment, which the caches key on), and its own
         ledger never joins the step's."""
         config = dataclasses.replace(self.config,
-                                     memory_budget=MemoryBudget(nbytes=room.peak_bytes))
+                                     memory_budget=MemoryBudget(nbytes=room.peak_bytes,
+                                                                margin=0.0))
         backend = StormBackend(config, self.observer, self.cost_override)
         backend.partitioner.ctx = dataclasses.replace(backend.ctx, limits=Limits(
             budget_bytes=room.plan_bytes, peak_error=room.known))

@@ -257,7 +257,7 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     The returned graphs' ``share`` is their plan's part of the step, for the caller to record
     in the step's ledger; the passes only read the step (``ctx.others``)."""
     asked = ctx.config
-    budget = asked.memory_budget.nbytes
+    budget = asked.memory_budget.planned.nbytes      # the byte budget less its margin
     streams = device_weights(graphs.forward, asked.prefetch_window_bytes).streams
     first = plan_storages(graphs, ctx)
     if budget is None or first.plan.target_bytes is None:
@@ -432,11 +432,14 @@ def _with_residents(decided: StormGraphs, ctx: PassContext, budget: int, fitting
 
 def _over_budget(budget: int, room: int, least: _PeakAt, asked: StormConfig
                  ) -> StormBudgetError:
-    peak, at = least.nbytes, least.at
-    beside = (f" (less the {budget - room} bytes the step's other graphs hold)"
+    peak, at, asked_budget = least.nbytes, least.at, asked.memory_budget
+    margin = (f"; {budget} bytes planned, {asked_budget.margin:.0%} left to the allocator"
+              if asked_budget.margin else "")
+    beside = (f"; less the {budget - room} bytes the step's other graphs hold"
               if room < budget else "")
     return StormBudgetError(
-        f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB){beside} is below the device "
+        f"memory_budget {asked_budget.nbytes} bytes ({asked_budget.nbytes / GIB:.3f} GiB"
+        f"{margin}{beside}) is below the device "
         f"memory this graph needs at its peak: of the plans storm tried, with up to every "
         f"activation that may move offloaded or recomputed, the least predicted peak is {peak} "
         f"bytes ({peak / GIB:.3f} GiB), at {at.node} of the "

@@ -192,9 +192,11 @@ class PassContext:
 
     @property
     def memory_budget(self) -> MemoryBudget:
-        """The budget this graph is planned against: the search's bytes, else the user's."""
+        """The budget this graph is planned against: the search's bytes, else the user's as
+        storm plans it (:attr:`MemoryBudget.planned`: a byte budget less its margin)."""
         chosen = self.limits.budget_bytes
-        return self.config.memory_budget if chosen is None else MemoryBudget(nbytes=chosen)
+        return (self.config.memory_budget.planned if chosen is None
+                else MemoryBudget(nbytes=chosen, margin=0.0))
 
     @property
     def prefetch_window_bytes(self) -> int:

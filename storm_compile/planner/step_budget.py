@@ -62,7 +62,7 @@ import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
-from storm_compile.config import MemoryBudget
+from storm_compile.config import PEAK_MARGIN, MemoryBudget
 from storm_compile.fx.torch_private import CompileContext
 from storm_compile.fx.vocabulary import GIB
 
@@ -159,7 +159,9 @@ class StepView:
             beside = (f"; a byte budget bounds the device peak, and this graph also holds "
                       f"{holds or f'{device_bytes} bytes'} on the device" if device_bytes else "")
             raise StormBudgetError(
-                f"memory_budget {asked.nbytes} bytes ({asked.nbytes / GIB:.3f} GiB) is below "
+                f"memory_budget leaves {asked.nbytes} bytes ({asked.nbytes / GIB:.3f} GiB) "
+                f"to plan (a byte budget leaves {PEAK_MARGIN:.0%} of itself to the allocator), "
+                f"below "
                 f"the minimum feasible for the step: its {len(self.others) + 1} graph(s) "
                 f"compiled so far must hold at least {step_minimum} bytes "
                 f"({step_minimum / GIB:.3f} GiB) of activations at the end of the forward "
@@ -386,8 +388,9 @@ class StepBudget:
 
 def runs_over(budget: int, held: int) -> str:
     """Why a run of a graph does not fit beside the ``held`` bytes the step holds: the step's
-    ``budget`` and what makes a graph run again before a backward."""
-    return (f"memory_budget {budget} bytes ({budget / GIB:.3f} GiB) is the step's, and one of "
+    ``budget`` (its byte ``memory_budget`` as planned, :attr:`MemoryBudget.planned`) and what
+    makes a graph run again before a backward."""
+    return (f"memory_budget leaves the step {budget} bytes ({budget / GIB:.3f} GiB), and one of "
             f"its compiled graphs runs again before the backward: beside the {held} bytes "
             f"({held / GIB:.3f} GiB) the step holds, no plan of that run fits. A graph runs "
             f"several times before a backward when identical blocks compile to one graph, when "

@@ -1,13 +1,10 @@
 """How fast pinned host memory is made: ``cudaHostAlloc`` (torch's default) against
 ``cudaHostRegister`` with pages mapped on threads (``pinned_use_cuda_host_register``, what
-:func:`storm_compile.runtime.streams.pin_quickly` sets) and against storm's own buffers on
-transparent huge pages (``huge pages``: :func:`storm_compile.runtime.host_memory.host_buffer`,
-what storm's pinned pool allocates), each in fresh processes, alternated.
+:func:`storm_compile.runtime.streams.pin_quickly` sets), each in fresh processes, alternated.
 
 Each child pins :data:`BUFFERS` (the sizes of a streamed model's first step: a few large
-buffers and many weight-sized ones), reports seconds and GB/s, then times device-to-host and
-host-to-device copies of the first buffer (pinning that runs fast but copies slowly would be no
-gain).
+buffers and many weight-sized ones), reports seconds and GB/s, then times a device-to-host copy
+into the first buffer (pinning that runs fast but copies slowly would be no gain).
 
     python -m benchmarks.pinning --out DIR [--rounds 2]
 
@@ -29,7 +26,6 @@ from tabulate import tabulate
 
 from benchmarks.activation_memory import EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing
-from storm_compile.runtime.host_memory import host_buffer
 from storm_compile.runtime.streams import PINNING_THREADS
 
 MIB = 1 << 20
@@ -37,46 +33,31 @@ BUFFERS = [256 * MIB] * 8 + [30 * MIB] * 40
 """3.17 GiB: eight activation-sized buffers and forty of a 3B model's weight gradients."""
 COPIES = 5
 """Device-to-host copies timed into the first buffer."""
-HUGE_PAGES = "huge pages"
 MODES = {"cudaHostAlloc": "pinned_use_cuda_host_register:False",
          "cudaHostRegister": f"pinned_use_cuda_host_register:True,"
-                             f"pinned_num_register_threads:{PINNING_THREADS}",
-         HUGE_PAGES: ""}
-"""``PYTORCH_CUDA_ALLOC_CONF`` of each child (:data:`HUGE_PAGES` pins without torch's
-allocator)."""
+                             f"pinned_num_register_threads:{PINNING_THREADS}"}
+"""``PYTORCH_CUDA_ALLOC_CONF`` of each child."""
 
 
-def _copies_gbps(destination: torch.Tensor, source: torch.Tensor) -> float:
+def child() -> dict:
+    torch.empty(1, device="cuda")
+    begin = time.perf_counter()
+    buffers = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in BUFFERS]
+    pin_s = time.perf_counter() - begin
+    source = torch.empty(BUFFERS[0], dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
     begin = time.perf_counter()
     for _ in range(COPIES):
-        destination.copy_(source, non_blocking=True)
+        buffers[0].copy_(source, non_blocking=True)
     torch.cuda.synchronize()
-    return COPIES * source.numel() / (time.perf_counter() - begin) / 1e9
-
-
-def _pinned(nbytes: int, huge_pages: bool) -> torch.Tensor:
-    buffer = host_buffer(nbytes, pinned=True) if huge_pages else None
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if buffer is None else buffer
-
-
-def child(huge_pages: bool) -> dict:
-    torch.empty(1, device="cuda")
-    begin = time.perf_counter()
-    buffers = [_pinned(n, huge_pages) for n in BUFFERS]
-    pin_s = time.perf_counter() - begin
-    device = torch.empty(BUFFERS[0], dtype=torch.uint8, device="cuda")
+    copy_s = time.perf_counter() - begin
     return {"pinned_bytes": sum(BUFFERS), "pin_s": pin_s, "pin_gbps": sum(BUFFERS) / pin_s / 1e9,
-            "all_pinned": all(b.is_pinned() for b in buffers),
-            "d2h_gbps": _copies_gbps(buffers[0], device),
-            "h2d_gbps": _copies_gbps(device, buffers[0])}
+            "d2h_gbps": COPIES * BUFFERS[0] / copy_s / 1e9}
 
 
 def _run_child(mode: str) -> dict:
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": MODES[mode]}
-    command = [sys.executable, "-m", "benchmarks.pinning", "--child"] + (
-        ["--huge-pages"] if mode == HUGE_PAGES else [])
-    done = subprocess.run(command, env=env,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.pinning", "--child"], env=env,
                           capture_output=True, text=True, check=True,
                           cwd=Path(__file__).resolve().parent.parent)
     return {"mode": mode, **json.loads(done.stdout.strip().splitlines()[-1])}
@@ -87,12 +68,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out/pinning"))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--huge-pages", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if cuda_missing("pinning", False):
         return EXIT_NO_CUDA
     if args.child:
-        print(json.dumps(child(args.huge_pages)), flush=True)
+        print(json.dumps(child()), flush=True)
         return 0
     rows = [_run_child(mode) for _ in range(args.rounds) for mode in MODES]
     args.out.mkdir(parents=True, exist_ok=True)

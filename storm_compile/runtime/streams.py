@@ -42,7 +42,6 @@ from storm_compile.runtime.cycles import (
     step_parameter,
     streamed_parameters,
 )
-from storm_compile.runtime.host_memory import host_buffer
 
 log = logging.getLogger("storm_compile")
 
@@ -109,15 +108,6 @@ def bucket_bytes(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
-def _zeros_like(param: torch.Tensor) -> torch.Tensor:
-    """A contiguous host tensor of zeros shaped like ``param``, its pages mapped: on huge pages
-    where it is large enough (:func:`~storm_compile.runtime.host_memory.host_buffer`)."""
-    buffer = host_buffer(param.numel() * param.element_size(), pinned=False)
-    if buffer is None:
-        return torch.zeros(param.shape, dtype=param.dtype)
-    return buffer.view(param.dtype).view(param.shape)
-
-
 class PinnedPool:
     """Pinned host buffers reused across steps, bucketed by size (:func:`bucket_bytes`).
 
@@ -146,12 +136,7 @@ class PinnedPool:
         """Buffers of each bucket size a reservation will still pin."""
 
     def _pin(self, size: int) -> torch.Tensor | None:
-        """A new pinned uint8 buffer of ``size`` bytes (on huge pages where it is large enough,
-        :func:`~storm_compile.runtime.host_memory.host_buffer`), or None when it cannot be
-        pinned."""
-        buffer = host_buffer(size, pinned=True)
-        if buffer is not None:
-            return buffer
+        """A new pinned uint8 buffer of ``size`` bytes, or None when it cannot be pinned."""
         pin_quickly()
         try:
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
@@ -340,7 +325,7 @@ class HostAdder:
 
     def _allocate(self, params: list[torch.Tensor]) -> None:
         for param in params:
-            buffer = _zeros_like(param)
+            buffer = torch.empty_like(param, memory_format=torch.contiguous_format).zero_()
             if param not in self._buffers:
                 self._buffers[param] = (buffer, _storage_use_count(buffer))
 

@@ -40,7 +40,6 @@ from storm_compile.fx.vocabulary import (
 )
 from storm_compile.runtime import ops
 from storm_compile.runtime.cycles import OVERLAPPABLE, step_parameter
-from storm_compile.runtime.host_memory import pinned_copy
 from storm_compile.runtime.streams import _TENSOR_GRAD, get_runtime, pin_quickly
 from storm_compile.weights.host_residency import HostResidentParametrizationList, keep_on_host
 from storm_compile.weights.quantize import Packed, StormQuantizeError, check, dequantize, quantize
@@ -495,7 +494,7 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
             host = data.to("cpu")
         else:
             host = value.to("cpu")
-        ids[id(_set_data(model, param, pinned_copy(host) if pin else host, True))] = key
+        ids[id(_set_data(model, param, host.pin_memory() if pin else host, True))] = key
         del value
     get_runtime().watch_optimizers()
     for name, param in resident:

@@ -8,6 +8,7 @@ import pytest
 
 import storm_compile
 from storm_compile import passes
+from storm_compile.config import PEAK_MARGIN
 
 PACKAGES = {"storm_compile": Path(storm_compile.__file__).parent,
             "storm_compile.passes": Path(passes.__file__).parent}
@@ -65,6 +66,14 @@ def test_every_doc_the_readme_lists_exists():
     readme = (root / "README.md").read_text()
     listed = {line.split("`")[1] for line in readme.splitlines() if line.startswith("- `docs/")}
     assert listed == {f"docs/{p.name}" for p in (root / "docs").glob("*.md")}
+
+
+def test_the_docs_state_the_byte_budgets_margin_storm_plans_with():
+    """The README and docs/planning.md give a byte budget's margin as ``PEAK_MARGIN`` is."""
+    root = Path(__file__).resolve().parent.parent
+    margin = f"{PEAK_MARGIN:.0%}".replace("%", " %")
+    assert f"planned {margin} below the cap" in (root / "README.md").read_text()
+    assert f"byte budget's peak {margin} below it" in (root / "docs" / "planning.md").read_text()
 
 
 def _private_torch(tree: ast.AST) -> list[str]:

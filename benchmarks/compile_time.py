@@ -12,7 +12,8 @@ timed (per call) and the number of kernels Inductor generated; ``results.json`` 
 parent counts the child's stderr lines that show a traceback or a failed pickle (a cache entry that
 could not be written) and its warning lines, and keeps each stderr in the output directory.
 
-Models: ``gpt-L<n>``: the built-in gpt with n blocks; ``llama-<preset>``: a Llama preset
+Models: ``gpt-L<n>``: the built-in gpt with n blocks (``gpt-L<n>-streamed``: its parameters
+streamed, storm at :data:`STREAMED_GPT_BUDGET`); ``llama-<preset>``: a Llama preset
 (:data:`~storm_compile.cli.models.LLAMA_PRESETS`) at :data:`LLAMA_TOKENS` tokens, its loss
 differentiated; ``llama-<preset>-streamed``: the same with its parameters streamed from host
 memory (:func:`~storm_compile.weights.streaming.stream_parameters`), storm under the preset's byte
@@ -72,6 +73,9 @@ point."""
 STREAMED_BUDGETS = {"1b": "14GiB", "3b": "14GiB", "8b": "22GiB", "tiny": "2MiB"}
 """storm's byte budget for a streamed preset: the streaming benchmark's (a 16 GiB cap for 3B,
 24 GiB for 8B, 2 GiB of each left to the allocator and the caching of blocks)."""
+STREAMED_GPT_BUDGET = 0.5
+"""storm's budget for a streamed gpt: the trainer benchmark's for its streamed rows, a fraction
+(the gpt's bf16 weights, 0.8 GB at 8 blocks, fit any GPU; the row times the streamed compile)."""
 STEADY_STEPS = 3
 """Steps after the first, whose median separates compile time from the step's own time."""
 CHILD_TIMEOUT_S = 1800
@@ -150,8 +154,13 @@ def _build(model_name: str, device: str, streamed_on: bool):
     kind, _, rest = model_name.partition("-")
     cpu_options = CPU_STORM_OPTIONS if device == "cpu" else {}
     if kind == "gpt":
-        model, inputs = build_gpt(_shape(device, int(rest.removeprefix("L"))), device)
-        return model, inputs, lambda out: out.float().pow(2).mean(), cpu_options
+        layers, _, streamed = rest.removeprefix("L").partition("-")
+        model, inputs = build_gpt(_shape(device, int(layers)), device)
+        options = dict(cpu_options)
+        if streamed and streamed_on:
+            stream_parameters(model, device)
+            options["memory_budget"] = STREAMED_GPT_BUDGET
+        return model, inputs, lambda out: out.float().pow(2).mean(), options
     preset, _, streamed = rest.partition("-")
     shape = LLAMA_PRESETS[preset]
     if device == "cuda":
@@ -351,8 +360,8 @@ def write(out_dir: Path, results: dict, table: str) -> str:
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt-L8,gpt-L32",
-                        help="comma-separated: gpt-L<layers>, llama-<preset>, "
-                             "llama-<preset>-streamed")
+                        help="comma-separated: gpt-L<layers>, gpt-L<layers>-streamed, "
+                             "llama-<preset>, llama-<preset>-streamed")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", type=Path, default=Path("bench-out/compile-time"))
     parser.add_argument("--profile", action="store_true",
@@ -365,10 +374,11 @@ def _parse(argv):
     for model in args.models:
         kind, _, rest = model.partition("-")
         preset = rest.removesuffix("-streamed")
-        if not (kind == "gpt" and rest.removeprefix("L").isdigit()
+        if not (kind == "gpt" and preset.removeprefix("L").isdigit()
                 or kind == "llama" and preset in LLAMA_PRESETS):
             parser.error(f"--models: cannot read {model!r}; expected gpt-L<layers>, "
-                         f"llama-<preset> or llama-<preset>-streamed, presets "
+                         f"gpt-L<layers>-streamed, llama-<preset> or llama-<preset>-streamed, "
+                         f"presets "
                          f"{', '.join(LLAMA_PRESETS)}")
     return args
 

@@ -424,6 +424,24 @@ def test_compile_time_plans_the_tiny_streamed_llama_within_its_budget():
     assert options["memory_budget"] == compile_time.STREAMED_BUDGETS["tiny"]
 
 
+def test_compile_time_streams_a_gpt_under_its_budget_and_reads_its_name():
+    """``gpt-L<n>-streamed``: the gpt with its parameters in host memory, storm at the streamed
+    gpt's budget; the unstreamed name keeps the gpt resident and storm at its defaults."""
+    from benchmarks import compile_time
+    from torch.nn.utils.parametrize import is_parametrized
+
+    streamed, _, _, options = compile_time._build("gpt-L1-streamed", "cpu", True)
+    resident, _, _, defaults = compile_time._build("gpt-L1", "cpu", True)
+    assert options["memory_budget"] == compile_time.STREAMED_GPT_BUDGET
+    assert any(is_parametrized(m) for m in streamed.modules())
+    assert "memory_budget" not in defaults and not any(
+        is_parametrized(m) for m in resident.modules())
+    assert compile_time._parse(["--models", "gpt-L8-streamed,gpt-L8"]).models == [
+        "gpt-L8-streamed", "gpt-L8"]
+    with pytest.raises(SystemExit):
+        compile_time._parse(["--models", "gpt-streamed"])
+
+
 def test_compile_time_divides_the_warm_compile_less_the_steady_step():
     from benchmarks import compile_time
 

@@ -593,24 +593,24 @@ def test_a_streamed_graph_run_twice_before_its_backward_trains_on_the_gpu():
                                        atol=1e-4, msg=name)
 
 
-def test_host_adder_sets_then_adds_and_reuses_its_buffer_after_zero_grad():
+def test_host_adder_keeps_a_first_gradient_as_grad_then_adds_into_it():
+    """A gradient sent home into a buffer of its own becomes ``.grad`` as it is (no copy, no
+    host memory besides it); later ones add into it; after ``zero_grad`` the next one is
+    kept again, and a gradient the user still holds is never written."""
     adder = HostAdder()
     weight = torch.zeros(3, requires_grad=True)
     first = torch.ones(3)
     adder.add(first, weight, None)
+    assert weight.grad.data_ptr() == first.data_ptr()
     adder.add(torch.full((3,), 2.0), weight, None)
     adder.join()
     torch.testing.assert_close(weight.grad, torch.full((3,), 3.0))
-    assert torch.equal(first, torch.ones(3)), "the incoming buffer is not aliased"
-    storage = weight.grad.untyped_storage().data_ptr()
-    weight.grad = None
-    adder.add(first, weight, None)
-    assert weight.grad.untyped_storage().data_ptr() == storage
     kept = weight.grad
     weight.grad = None
-    adder.add(first, weight, None)
-    assert weight.grad.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr(), \
-        "a gradient the user still holds is never overwritten"
+    second = torch.full((3,), 5.0)
+    adder.add(second, weight, None)
+    assert weight.grad.data_ptr() == second.data_ptr()
+    torch.testing.assert_close(kept, torch.full((3,), 3.0))
 
 
 def test_host_adder_error_is_raised_at_the_wait():
@@ -1157,6 +1157,27 @@ def test_a_reservation_pins_ahead_and_acquire_takes_what_it_pinned(pool):
     assert pool.reserve([1000, 5000], POOL_LIMIT) is None     # all held already
 
 
+def test_a_pooled_gradient_stays_as_grad_only_while_the_pool_has_room(pool, monkeypatch):
+    """A gradient that came home in a pinned pool buffer becomes ``.grad`` while the pool could
+    still pin another buffer of its size (the next micro-batch's copies need their own);
+    past that it is copied, and the buffer goes back to the pool."""
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    adder = HostAdder(pool)
+    nbytes = 3 * 4
+    limit = 2 * bucket_bytes(nbytes)
+    kept, copied = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    first = pool.acquire(nbytes, limit)[:nbytes].view(torch.float32).fill_(1.0)
+    adder.add(first, kept, None)
+    assert kept.grad.data_ptr() == first.data_ptr()
+    second = pool.acquire(nbytes, limit)[:nbytes].view(torch.float32).fill_(2.0)
+    assert second.data_ptr() != first.data_ptr()
+    adder.add(second, copied, None)
+    adder.join()
+    assert copied.grad.data_ptr() != second.data_ptr()
+    torch.testing.assert_close(copied.grad, torch.full((3,), 2.0))
+    torch.testing.assert_close(kept.grad, torch.ones(3))
+
+
 def test_a_reservation_stops_at_the_limit(pool):
     size = bucket_bytes(1000)
     pool.reserve([1000] * 5, 2 * size).join()
@@ -1210,16 +1231,3 @@ def test_the_backend_prepares_each_streamed_gradient_as_it_compiles(monkeypatch)
     assert len(weights) == len(sent) == len(reads.weights) - 1
     assert all(w is s for w, s in zip(weights, reversed(sent)))
     assert limit == StormConfig.from_options(**CPU_TEST_OPTIONS).host_memory_limit
-
-
-def test_prepared_gradient_buffers_are_the_ones_additions_fill():
-    adder = HostAdder()
-    weights = [torch.nn.Parameter(torch.ones(3, 5)), torch.nn.Parameter(torch.ones(7))]
-    adder.prepare(weights).join()
-    prepared = [adder._buffers[w][0].data_ptr() for w in weights]
-    assert adder.prepare(weights) is None       # every buffer exists
-    for weight in weights:
-        adder.add(torch.full_like(weight, 2.0), weight, None)
-    adder.join()
-    assert [w.grad.data_ptr() for w in weights] == prepared
-    assert all(torch.equal(w.grad, torch.full_like(w, 2.0)) for w in weights)

@@ -412,8 +412,8 @@ def _streams(gm: fx.GraphModule) -> bool:
 def _sent_home(gm: fx.GraphModule, example_inputs: list[Any]) -> list[torch.Tensor]:
     """The trainable weights ``gm`` streams (graph inputs, as Dynamo passes parameters), each
     once, last read first: the gradients its backward sends home, in the order it sends them.
-    The backend has the runtime prepare their
-    pinned and host buffers while the graph compiles or loads from torch's caches
+    The backend has the runtime pin their
+    buffers while the graph compiles or loads from torch's caches
     (:meth:`~storm_compile.runtime.streams.TransferRuntime.prepare_backward`): a streamed 3B
     Llama's first backward otherwise pinned 197 buffers (6.4 GB) for 2.1 s on the H200 host."""
     values = dict(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))

@@ -163,7 +163,7 @@ def _resident_weight_fake(w: torch.Tensor, device: torch.device) -> torch.Tensor
 @torch.library.impl(_lib, "grad_to_host", _COMPOSITE)
 def _grad_to_host(grad: torch.Tensor, w: torch.Tensor) -> None:
     runtime = get_runtime()
-    runtime.accumulate(grad.to(w.device), w)
+    runtime.accumulate(grad.to(w.device, copy=True), w)    # its own: it may become w.grad
     runtime.wait_host()
 
 

@@ -130,6 +130,8 @@ class PinnedPool:
     def __init__(self) -> None:
         self._buffers: dict[int, list[tuple[torch.Tensor, int]]] = {}
         self.reserved_bytes = 0
+        self.limit: int | None = None
+        """The limit the pool was last asked to stay within (None before the first ask)."""
         self._changed = threading.Condition()
         """Held while the buffers or :attr:`_pending` change; notified after each change."""
         self._pending: collections.Counter[int] = collections.Counter()
@@ -158,6 +160,7 @@ class PinnedPool:
         """A pinned uint8 buffer of at least ``nbytes`` not used by anyone, or None when one
         cannot be had within ``limit``."""
         size = bucket_bytes(nbytes)
+        self.limit = limit
         with self._changed:
             idle = self._idle(size)
             while idle is None and self._pending[size] > 0:
@@ -180,6 +183,7 @@ class PinnedPool:
         to pin (or no CUDA to pin with)."""
         if not torch.cuda.is_available():
             return None
+        self.limit = limit
         with self._changed:
             held = collections.Counter(
                 {size: len(entries) for size, entries in self._buffers.items()})
@@ -226,6 +230,10 @@ class PinnedPool:
             needed -= size
         self._buffers = {size: entries for size, entries in self._buffers.items() if entries}
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether one more buffer of ``nbytes`` would stay within :attr:`limit`."""
+        return self.limit is None or self.reserved_bytes + bucket_bytes(nbytes) <= self.limit
+
     def in_use_bytes(self) -> int:
         return sum(size for size, entries in self._buffers.items()
                    for buffer, idle in entries if _storage_use_count(buffer) != idle)
@@ -268,18 +276,23 @@ class HostAdder:
     called, that is, once the whole backward has been launched and every gradient it sends is
     known; on the thread, between additions, while the GPU finishes the backward.
 
-    A parameter whose ``.grad`` is None gets a buffer this object keeps for it, reused from
-    step to step while nothing else holds it (after ``zero_grad``): a fresh host allocation of
-    a model's gradients would pay its page faults at every step. An error on the thread is
-    raised by the next :meth:`join`. At ``DEBUG`` level the ``storm_compile`` logger gets a line
+    A parameter whose ``.grad`` is None takes the buffer its gradient came home in as its
+    ``.grad``, without a copy: the buffer ``storm.send_grad`` made for this gradient alone, which
+    nobody writes again (a pinned buffer goes back to ``pool`` only once nothing holds it: after
+    ``zero_grad`` drops the gradient, or when the user lets go of it). The first micro-batch of
+    a step then costs the host no addition, and the gradients need no host memory besides their
+    pinned buffers. A pinned buffer is kept so only while ``pool`` has room for another of its
+    size (the next micro-batch's copies need buffers of their own); past that, the gradient is
+    copied into new host memory. An error on the thread is raised by the next :meth:`join`. At ``DEBUG`` level the ``storm_compile`` logger gets a line
     per addition: its bytes, how long it waited for its copy, how long the addition took, and
     how many jobs were still queued (the thread falling behind shows as a growing queue).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pool: PinnedPool | None = None) -> None:
+        self.pool = pool
+        """Where the pinned buffers gradients come home in are from (None: none are pinned)."""
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._buffers = WeakIdKeyDictionary()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._steps: dict[int, _PendingStep] = {}
@@ -308,26 +321,6 @@ class HostAdder:
             self._add_now(x, param, step is not None, norm)
             return
         self._put((x, param, event, step is not None, norm))
-
-    def prepare(self, params: list[torch.Tensor]) -> threading.Thread | None:
-        """Allocate, on a new thread, the gradient buffers of ``params`` that this object does
-        not keep yet, each written once so that its pages are mapped: the first additions of a
-        step then copy into memory that is there, instead of faulting in a model's gradients
-        (1.3 s for a 3B Llama's on the H200 host). The thread, or None when every buffer
-        exists."""
-        missing = [p for p in params if p not in self._buffers]
-        if not missing:
-            return None
-        thread = threading.Thread(target=self._allocate, args=(missing,),
-                                  name="storm-grad-buffers", daemon=True)
-        thread.start()
-        return thread
-
-    def _allocate(self, params: list[torch.Tensor]) -> None:
-        for param in params:
-            buffer = torch.empty_like(param, memory_format=torch.contiguous_format).zero_()
-            if param not in self._buffers:
-                self._buffers[param] = (buffer, _storage_use_count(buffer))
 
     def join(self) -> None:
         """Run the pending steps, wait until every queued addition and step is done; raise the
@@ -424,12 +417,9 @@ class HostAdder:
             if grad is not None:
                 grad.add_(x)
             else:
-                buffer, idle_count = self._buffers.get(param, (None, 0))
-                if buffer is None or _storage_use_count(buffer) != idle_count \
-                        or buffer.shape != param.shape or buffer.dtype != param.dtype:
-                    buffer = torch.empty_like(param, memory_format=torch.contiguous_format)
-                    self._buffers[param] = (buffer, _storage_use_count(buffer))
-                param.grad = buffer.copy_(x).detach()  # its own tensor: holders count as users
+                kept = not x.is_pinned() or self.pool is None \
+                    or self.pool.has_room(x.untyped_storage().nbytes())
+                param.grad = x.detach() if kept else x.clone()    # holders count as users
                 if norm is not None:
                     grad = _TENSOR_GRAD.__get__(param)
                     self.norms[param] = KeptNorm(norm, grad.data_ptr(), grad._version)
@@ -489,7 +479,7 @@ class TransferRuntime:
         self._optimizer_steps = 0
         self._host_writes = 0
         self._optimizer_hooks = None
-        self._adder = HostAdder()
+        self._adder = HostAdder(self.pool)
         self._joined_task: int | None = None
         self._previous_backward = 0
         self.stepper: Step | None = None
@@ -587,14 +577,12 @@ class TransferRuntime:
 
     def prepare_backward(self, weights: list[torch.Tensor], limit: int) -> None:
         """Ahead of a backward that sends the gradients of the streamed ``weights`` home (in
-        that order), on threads of their own while the caller goes on: pin their buffers
-        (:meth:`PinnedPool.reserve`, within ``limit`` bytes) and map the host gradient buffers
-        they are added into (:meth:`HostAdder.prepare`). Nothing without CUDA, where no copy is
-        pinned."""
-        if not torch.cuda.is_available():
-            return
-        self.pool.reserve([w.numel() * w.element_size() for w in weights], limit)
-        self._adder.prepare(weights)
+        that order), on a thread of its own while the caller goes on: pin their buffers
+        (:meth:`PinnedPool.reserve`, within ``limit`` bytes), which a step's first gradients then
+        stay in as the weights' ``.grad`` (:class:`HostAdder`). Nothing without CUDA, where no
+        copy is pinned."""
+        if torch.cuda.is_available():
+            self.pool.reserve([w.numel() * w.element_size() for w in weights], limit)
 
     def wait(self, tensor: torch.Tensor) -> None:
         """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""

@@ -282,14 +282,15 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
     options = {"memory_budget": args.budget} if args.budget is not None else {}
     if not cuda:
         options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
-    predicted: list[StepPrediction] = []
+    predicted: list[dict[int, StepPrediction]] = []
     peaks: list[int] = []
     op_ms: collections.Counter = collections.Counter()
 
     def observe(graphs: StormGraphs) -> None:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
-        predicted.append(predict_step(graphs, backend.ctx.cost, 1, overlapped=True,
-                                      accumulating=True))
+        predicted.append({count: predict_step(graphs, backend.ctx.cost, count, overlapped=True,
+                                              accumulating=True)
+                          for count in args.micro_batches})
         peaks.append(device_bytes(graphs, simulate(graphs, backend.ctx.cost)))
         for module in (graphs.forward, graphs.backward):
             for node in module.graph.nodes:
@@ -299,10 +300,10 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
     def predicted_step(micro_batches: int) -> StepPrediction | None:
         if not predicted:
             return None
-        fields = ("micro_batch_s", "last_micro_batch_s", "optimizer_s", "exposed_transfer_s",
-                  "host_wait_s", "last_host_wait_s")
-        return dataclasses.replace(predicted[0], micro_batches=micro_batches, **{
-            f: sum(getattr(p, f) for p in predicted) for f in fields})
+        fields = ("first_micro_batch_s", "micro_batch_s", "last_micro_batch_s", "optimizer_s",
+                  "exposed_transfer_s", "first_host_wait_s", "host_wait_s", "last_host_wait_s")
+        return dataclasses.replace(predicted[0][micro_batches], **{
+            f: sum(getattr(p[micro_batches], f) for p in predicted) for f in fields})
 
     backend = StormBackend(StormConfig.from_options(**options), observer=observe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)

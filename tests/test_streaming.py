@@ -985,8 +985,10 @@ def test_predicted_optimizer_step_puts_micro_batches_and_the_optimizer_together(
     during = predict_step(graphs, cost, 4, overlapped=True)
     for step in (after, during):
         assert step.micro_batch_s == pytest.approx(simulate(graphs, cost).step_s)
-        assert step.step_s == pytest.approx(3 * step.micro_batch_s + step.last_micro_batch_s
-                                            + step.optimizer_s)
+        assert step.first_micro_batch_s == pytest.approx(
+            simulate(graphs, cost, first=True).step_s)
+        assert step.step_s == pytest.approx(step.first_micro_batch_s + 2 * step.micro_batch_s
+                                            + step.last_micro_batch_s + step.optimizer_s)
     assert after.optimizer_s == pytest.approx(
         sum(tensor_bytes(w.meta["val"]) for w in weights) / 5e9)
     assert after.last_micro_batch_s == after.micro_batch_s
@@ -995,6 +997,25 @@ def test_predicted_optimizer_step_puts_micro_batches_and_the_optimizer_together(
     assert during.step_s <= after.step_s
     with pytest.raises(ValueError, match="micro_batches must be at least 1"):
         predict_step(graphs, cost, 0, overlapped=False)
+
+
+def test_a_steps_first_gradients_cost_the_host_no_addition():
+    """The first micro-batch's gradients stay in their buffers as ``.grad`` (``HostAdder``):
+    the host thread adds nothing then, and a one-micro-batch step is that micro-batch alone,
+    its host time AdamW's only."""
+    graphs, _ = _streamed_graphs()
+    cost = _host_rates(add=1e6)                 # additions slow enough to show
+    first, later = simulate(graphs, cost, first=True), simulate(graphs, cost)
+    assert {h.work for h in first.host} == {"keep"}
+    assert all(h.end_s == h.start_s for h in first.host)
+    assert {h.work for h in later.host} == {"add"}
+    assert first.step_s < later.step_s and first.host_wait_s < later.host_wait_s
+    after = predict_step(graphs, cost, 1, overlapped=False)
+    during = predict_step(graphs, cost, 1, overlapped=True)
+    assert after.step_s == pytest.approx(first.step_s + after.optimizer_s)
+    assert during.step_s == pytest.approx(simulate(graphs, cost, steps=True, first=True).step_s)
+    assert {h.work for h in simulate(graphs, cost, steps=True, first=True).host} == {
+        "keep", "step"}
 
 
 @pytest.mark.parametrize("add_rate", [1e10, 1e6], ids=["host-keeps-up", "host-bound"])
@@ -1011,7 +1032,9 @@ def test_accumulating_micro_batches_leave_their_additions_to_the_next(add_rate):
     assert deferred.micro_batch_s == pytest.approx(max(compute, adding))
     assert (adding > compute) == (add_rate == 1e6)
     assert deferred.last_micro_batch_s == waiting.last_micro_batch_s
-    assert deferred.host_s == pytest.approx(waiting.host_s - 3 * each.host_wait_s)
+    assert deferred.first_host_wait_s == 0
+    assert deferred.host_s == pytest.approx(
+        waiting.host_s - waiting.first_host_wait_s - 2 * each.host_wait_s)
     assert deferred.step_s <= waiting.step_s
 
 

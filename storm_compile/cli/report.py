@@ -394,7 +394,7 @@ def _text_table(rows: list[dict[str, object]], columns: Sequence[Column]) -> str
 
 
 THROUGHPUT_FIELDS = ("tokens", "micro_batches", "predicted_tokens_per_s", "optimizer_step_ms",
-                     "micro_batch_ms", "host_wait_ms", "optimizer_ms", "exposed_transfer_ms",
+                     "first_micro_batch_ms", "micro_batch_ms", "host_wait_ms", "optimizer_ms", "exposed_transfer_ms",
                      "activation_bytes", "device_bytes", "streamed_weight_bytes",
                      "resident_weight_bytes", "host_format")
 """What ``storm throughput`` shows per tokens per micro-batch and micro-batches per step."""
@@ -405,13 +405,16 @@ def throughput_row(summary: dict[str, object], step: StepPrediction) -> dict[str
     tokens = summary["tokens"] * step.micro_batches
     return {**{k: summary[k] for k in THROUGHPUT_FIELDS if k in summary},
             "micro_batches": step.micro_batches, "predicted_tokens_per_s": tokens / step.step_s,
-            "optimizer_step_ms": step.step_s * MS, "micro_batch_ms": step.micro_batch_s * MS,
+            "optimizer_step_ms": step.step_s * MS,
+            "first_micro_batch_ms": step.first_micro_batch_s * MS,
+            "micro_batch_ms": step.micro_batch_s * MS,
             "host_wait_ms": step.host_wait_s * MS, "optimizer_ms": step.optimizer_s * MS}
 
 
 THROUGHPUT_TEXT = (Column("tokens", "tokens", str), Column("micro_batches", "µbatches", str),
                    Column("predicted_tokens_per_s", "tokens/s", lambda v: f"{v:.0f}"),
                    Column("optimizer_step_ms", "step ms", _ms),
+                   Column("first_micro_batch_ms", "1st µbatch ms", _ms),
                    Column("micro_batch_ms", "µbatch ms", _ms),
                    Column("host_wait_ms", "wait ms", _ms), Column("optimizer_ms", "optim ms", _ms),
                    Column("exposed_transfer_ms", "exposed ms", _ms),

@@ -14,8 +14,9 @@ is taken above. The same replay of the graphs before storm rewrites them predict
 without storm.
 
 A fourth lane is storm's host thread (``runtime.HostAdder``): each ``accumulate_grad`` hands it
-a gradient, which it adds once the gradient's copy home is done, in graph order; with an
-overlapped optimizer it steps each streamed weight once the weight's gradients are all added,
+a gradient, which it adds once the gradient's copy home is done, in graph order (in a step's
+first micro-batch a weight's first gradient costs it nothing: it stays in its buffer as the
+weight's ``.grad``); with an overlapped optimizer it steps each streamed weight once the weight's gradients are all added,
 between additions while the next copy still moves, and after the last. ``wait_host`` holds the
 end of the backward until the host thread is done. The host is assumed to have launched the
 backward's kernels ahead of the GPU, so a step never waits for the launches to end.
@@ -190,12 +191,16 @@ class _Memory:
 class _HostThread:
     """storm's host thread over one backward: gradients added in the order they are handed
     over, each once its copy home is done; with ``steps``, each weight stepped once its
-    gradients are all added, while the thread would otherwise wait for the next copy."""
+    gradients are all added, while the thread would otherwise wait for the next copy; with
+    ``first`` (a step's first micro-batch, every ``.grad`` None), each weight's first gradient
+    kept as its ``.grad`` at no cost (``runtime.HostAdder``)."""
 
-    def __init__(self, cost: CostModel, name: str, steps: bool) -> None:
-        self.cost, self.name, self.steps = cost, name, steps
+    def __init__(self, cost: CostModel, name: str, steps: bool, first: bool) -> None:
+        self.cost, self.name, self.steps, self.first = cost, name, steps, first
         self.adds: list[fx.Node] = []
         self.timings: list[HostTiming] = []
+        self.kept: set[fx.Node] = set()
+        """The weights whose first gradient was kept."""
 
     def hand_over(self, accumulate: fx.Node) -> None:
         self.adds.append(accumulate)
@@ -209,8 +214,10 @@ class _HostThread:
             arrives = link.finish_time(_copy_of(accumulate))
             while ready and free < arrives:
                 free = self._run(ready.popleft(), "step", free)
-            free = self._run(accumulate, "add", max(free, arrives))
             weight = accumulate.args[1]
+            work = "keep" if self.first and weight not in self.kept else "add"
+            self.kept.add(weight)
+            free = self._run(accumulate, work, max(free, arrives))
             adds_left[weight] -= 1
             if self.steps and adds_left[weight] == 0:
                 ready.append(weight)
@@ -220,9 +227,9 @@ class _HostThread:
         return free
 
     def _run(self, node: fx.Node, work: str, start: float) -> float:
-        if work == "add":
+        if work in ("add", "keep"):
             nbytes = _storage_bytes(node.args[0])
-            end = start + self.cost.host_add_seconds(nbytes)
+            end = start + (self.cost.host_add_seconds(nbytes) if work == "add" else 0.0)
         else:
             nbytes = _storage_bytes(node)
             end = start + self.cost.host_step_seconds(nbytes)
@@ -308,13 +315,15 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _Ho
     return _Walked(t, live, peak, stall, host_wait)
 
 
-def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False) -> Prediction:
+def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False,
+             first: bool = False) -> Prediction:
     """Predict step time, exposed transfer time, activation memory and peak of the pair; with
     ``steps``, the host thread also steps each streamed weight in the backward (an overlapped
-    optimizer's last micro-batch)."""
+    optimizer's last micro-batch); with ``first``, the pair is a step's first micro-batch,
+    whose gradients the host keeps as ``.grad`` instead of adding them."""
     fw, bw = graphs.forward, graphs.backward
     link = _Link(cost)
-    host = _HostThread(cost, "bw", steps)
+    host = _HostThread(cost, "bw", steps, first)
     timings: list[NodeTiming] = []
     inputs = set(fw.graph.find_nodes(op="placeholder"))
     baseline = sum(_storage_bytes(n) for n in inputs)
@@ -369,6 +378,8 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
     """One optimizer step of ``micro_batches`` forward and backward passes of the pair, AdamW
     (fused, on the host) over its streamed weights: after the last backward, or, ``overlapped``
     (:class:`~storm_compile.weights.streaming.OverlappedOptimizer`), on the host thread during it.
+    The first micro-batch's gradients become the weights' ``.grad`` without additions (the loop
+    calls ``zero_grad`` between steps).
     ``accumulating`` (:func:`~storm_compile.weights.streaming.gradient_accumulation`): a micro-batch
     but the last does not wait for its gradients' additions, which run during the next one
     (whose end waits for them);
@@ -377,18 +388,23 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
     a streamed model: its norms and biases, a few MiB)."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
-    each = simulate(graphs, cost)
-    last = simulate(graphs, cost, steps=True).step_s if overlapped else each.step_s
+    only = micro_batches == 1
+    first = simulate(graphs, cost, steps=overlapped and only, first=True)
+    each = first if only else simulate(graphs, cost)
+    last = each.step_s if only or not overlapped else simulate(graphs, cost, steps=True).step_s
     optimizer = 0.0 if overlapped else sum(
         cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
+    opening, opening_wait = first.step_s, first.host_wait_s
     micro, wait = each.step_s, each.host_wait_s
-    if accumulating:
+    if accumulating and not only:
         adding = sum(h.end_s - h.start_s for h in each.host if h.work == "add")
         micro, wait = max(each.step_s - each.host_wait_s, adding), 0.0
+        opening, opening_wait = first.step_s - first.host_wait_s, 0.0
     return StepPrediction(micro_batches=micro_batches, overlapped=overlapped,
-                          accumulating=accumulating, micro_batch_s=micro,
-                          last_micro_batch_s=last, optimizer_s=optimizer,
-                          exposed_transfer_s=each.exposed_transfer_s, host_wait_s=wait,
+                          accumulating=accumulating, first_micro_batch_s=opening,
+                          micro_batch_s=micro, last_micro_batch_s=last, optimizer_s=optimizer,
+                          exposed_transfer_s=each.exposed_transfer_s,
+                          first_host_wait_s=opening_wait, host_wait_s=wait,
                           last_host_wait_s=each.host_wait_s + last - each.step_s)
 
 

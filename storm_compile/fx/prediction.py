@@ -75,6 +75,9 @@ class StepPrediction:
     :func:`~storm_compile.weights.streaming.gradient_accumulation`: a backward does not wait for the
     host thread's additions, which run during the next micro-batch (whose backward waits for
     them)."""
+    first_micro_batch_s: float
+    """The first forward and backward, whose gradients become the weights' ``.grad`` without
+    an addition (with one micro-batch, also the last)."""
     micro_batch_s: float
     """A forward and backward whose gradients the host adds (accumulating: the host's
     additions when they take longer than the forward and backward)."""
@@ -84,9 +87,12 @@ class StepPrediction:
     """Host time of ``optimizer.step()`` after the last backward (0 overlapped)."""
     exposed_transfer_s: float
     """Time one micro-batch's compute waits on copies."""
+    first_host_wait_s: float
+    """Time the end of the first micro-batch waits for the host thread (0 accumulating, with
+    more than one micro-batch)."""
     host_wait_s: float
-    """Time the end of each micro-batch but the last waits for the host thread (0
-    accumulating)."""
+    """Time the end of each micro-batch between the first and the last waits for the host
+    thread (0 accumulating)."""
     last_host_wait_s: float
     """Time the end of the last micro-batch waits for the host thread: its additions, and
     overlapped, the steps."""
@@ -95,10 +101,14 @@ class StepPrediction:
     def host_s(self) -> float:
         """Time the step waits for the host: every micro-batch's additions, the steps the last
         backward waits for (overlapped) and the optimizer after it."""
-        return ((self.micro_batches - 1) * self.host_wait_s + self.last_host_wait_s
-                + self.optimizer_s)
+        if self.micro_batches == 1:
+            return self.first_host_wait_s + self.optimizer_s
+        return (self.first_host_wait_s + (self.micro_batches - 2) * self.host_wait_s
+                + self.last_host_wait_s + self.optimizer_s)
 
     @property
     def step_s(self) -> float:
-        return ((self.micro_batches - 1) * self.micro_batch_s + self.last_micro_batch_s
-                + self.optimizer_s)
+        if self.micro_batches == 1:
+            return self.first_micro_batch_s + self.optimizer_s
+        return (self.first_micro_batch_s + (self.micro_batches - 2) * self.micro_batch_s
+                + self.last_micro_batch_s + self.optimizer_s)

@@ -414,7 +414,6 @@ def throughput_row(summary: dict[str, object], step: StepPrediction) -> dict[str
 THROUGHPUT_TEXT = (Column("tokens", "tokens", str), Column("micro_batches", "µbatches", str),
                    Column("predicted_tokens_per_s", "tokens/s", lambda v: f"{v:.0f}"),
                    Column("optimizer_step_ms", "step ms", _ms),
-                   Column("first_micro_batch_ms", "1st µbatch ms", _ms),
                    Column("micro_batch_ms", "µbatch ms", _ms),
                    Column("host_wait_ms", "wait ms", _ms), Column("optimizer_ms", "optim ms", _ms),
                    Column("exposed_transfer_ms", "exposed ms", _ms),

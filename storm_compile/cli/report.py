@@ -394,9 +394,9 @@ def _text_table(rows: list[dict[str, object]], columns: Sequence[Column]) -> str
 
 
 THROUGHPUT_FIELDS = ("tokens", "micro_batches", "predicted_tokens_per_s", "optimizer_step_ms",
-                     "first_micro_batch_ms", "micro_batch_ms", "host_wait_ms", "optimizer_ms", "exposed_transfer_ms",
-                     "activation_bytes", "device_bytes", "streamed_weight_bytes",
-                     "resident_weight_bytes", "host_format")
+                     "first_micro_batch_ms", "micro_batch_ms", "host_wait_ms", "optimizer_ms",
+                     "exposed_transfer_ms", "activation_bytes", "device_bytes",
+                     "streamed_weight_bytes", "resident_weight_bytes", "host_format")
 """What ``storm throughput`` shows per tokens per micro-batch and micro-batches per step."""
 
 

@@ -16,10 +16,11 @@ without storm.
 A fourth lane is storm's host thread (``runtime.HostAdder``): each ``accumulate_grad`` hands it
 a gradient, which it adds once the gradient's copy home is done, in graph order (in a step's
 first micro-batch a weight's first gradient costs it nothing: it stays in its buffer as the
-weight's ``.grad``); with an overlapped optimizer it steps each streamed weight once the weight's gradients are all added,
-between additions while the next copy still moves, and after the last. ``wait_host`` holds the
-end of the backward until the host thread is done. The host is assumed to have launched the
-backward's kernels ahead of the GPU, so a step never waits for the launches to end.
+weight's ``.grad``); with an overlapped optimizer it steps each streamed weight once the
+weight's gradients are all added, between additions while the next copy still moves, and
+after the last. ``wait_host`` holds the end of the backward until the host thread is done. The
+host is assumed to have launched the backward's kernels ahead of the GPU, so a step never waits
+for the launches to end.
 :func:`predict_step` puts micro-batches and the optimizer together into one optimizer step.
 """
 

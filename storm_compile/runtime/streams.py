@@ -283,9 +283,10 @@ class HostAdder:
     a step then costs the host no addition, and the gradients need no host memory besides their
     pinned buffers. A pinned buffer is kept so only while ``pool`` has room for another of its
     size (the next micro-batch's copies need buffers of their own); past that, the gradient is
-    copied into new host memory. An error on the thread is raised by the next :meth:`join`. At ``DEBUG`` level the ``storm_compile`` logger gets a line
-    per addition: its bytes, how long it waited for its copy, how long the addition took, and
-    how many jobs were still queued (the thread falling behind shows as a growing queue).
+    copied into new host memory. An error on the thread is raised by the next :meth:`join`.
+    At ``DEBUG`` level the ``storm_compile`` logger gets a line per addition: its bytes, how
+    long it waited for its copy, how long the addition took, and how many jobs were still
+    queued (the thread falling behind shows as a growing queue).
     """
 
     def __init__(self, pool: PinnedPool | None = None) -> None:

@@ -6,6 +6,7 @@ from storm_compile.passes.annotate_costs import annotate_costs
 from storm_compile.passes.insert_transfers import insert_transfers
 from storm_compile.passes.place_transfers import place_transfers
 from storm_compile.passes.plan_memory import plan_memory
+from storm_compile.passes.plan_gradient_sums import plan_gradient_sums
 from storm_compile.passes.plan_offload import plan_offload
 from storm_compile.passes.plan_weights import plan_weights
 from storm_compile.passes.refetch_weights import refetch_weights
@@ -16,4 +17,5 @@ from storm_compile.planner.step_budget import StormBudgetError
 
 __all__ = ["refetch_weights", "sum_tied_gradients", "annotate_costs", "plan_offload",
            "plan_memory", "rematerialize", "plan_weights", "place_transfers", "insert_transfers",
-           "verify_graphs", "verify_joint", "StormBudgetError", "StormVerificationError"]
+           "plan_gradient_sums", "verify_graphs", "verify_joint", "StormBudgetError",
+           "StormVerificationError"]

@@ -81,11 +81,16 @@ and each ``storm.grad_to_host(g, w)`` of the backward (``graphs.storages.sends``
                                                       # the backward pass
     return (...)
 
+The send of the gradient of a weight whose gradients are summed on the device
+(``ResidentWeight.summed``) is given the weight, here or in a later run::
+
+    g_host       = storm.send_grad(g, host_limit, w)
+
 ``meta["val"]`` of every new node, and of ``h1..hk``, comes from the ops' fake implementations;
 the replayed views have the strides the backward was traced with.
 Idempotent: a second run finds the offloaded storages no longer saved (the forward returns
-their ``wait_event`` instead), and no ``fetch_weight`` or ``grad_to_host`` left, and changes
-nothing.
+their ``wait_event`` instead), no ``fetch_weight`` or ``grad_to_host`` left and every summed
+weight's send given its weight, and changes nothing.
 """
 
 from __future__ import annotations
@@ -274,6 +279,24 @@ def _send_home(graph: fx.Graph, send: GradSend, ctx: PassContext) -> fx.Node:
     return token
 
 
+def _give_weights(backward: fx.Graph, summed: set[str]) -> int:
+    """Give the ``storm.send_grad`` of each gradient of a weight named in ``summed`` the weight,
+    where it does not have it; how many it gave."""
+    given = 0
+    for accumulate in backward.find_nodes(op="call_function", target=ops.accumulate_grad):
+        send, weight = accumulate.args
+        while send.target is not ops.send_grad:
+            send = send.args[0]
+        if weight.name in summed and len(send.args) == len(SEND_ARGS):
+            send.args = (*send.args, weight)
+            given += 1
+    return given
+
+
+SEND_ARGS = ("grad", "host_limit")
+"""``storm.send_grad``'s arguments without the weight of a gradient summed on the device."""
+
+
 def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     """Copies that share an anchor node are inserted last-first, so that each lane's queue (graph
     order) is the scheduler's: D2H by production, H2D by first read."""
@@ -333,7 +356,9 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
     if tokens:
         with graphs.backward.graph.inserting_before(output_node(graphs.backward)):
             graphs.backward.graph.call_function(ops.wait_host, (tokens,))
-    if offloads or sends or kept or any(fetches.values()):
+    summed = _give_weights(graphs.backward.graph,
+                           {w.name for w in graphs.storages.resident if w.summed})
+    if offloads or sends or kept or summed or any(fetches.values()):
         graphs.forward.recompile()
         graphs.backward.recompile()
     return graphs

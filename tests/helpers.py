@@ -77,3 +77,13 @@ def cost_model(**options) -> CostModel:
 
 def transfer_count(graphs: StormGraphs) -> int:
     return len(nodes(graphs.forward, ops.offload))
+
+
+def streamed(model: torch.nn.Module) -> list[torch.Tensor]:
+    """``model``'s parameters streamed from host memory."""
+    return [p for p in model.parameters() if getattr(p, "storm_streamed", False)]
+
+
+def unstreamed_name(name: str) -> str:
+    """A streamed model's parameter name as the model had it before streaming."""
+    return name.replace("parametrizations.", "").replace(".original", "")

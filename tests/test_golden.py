@@ -22,6 +22,11 @@ gradient home (send_grad after it is produced, wait_event keeping it alive, accu
 handing it to the host thread that adds it into the weight's ``.grad``), and one wait_host
 before the output waits for those additions.
 
+Kept and summed: the streamed module under a byte budget with room for everything
+(``memory_budget="1GiB"``): both weights are read through ``resident_weight`` instead of
+prefetched, and each gradient's ``send_grad`` is given its weight, so that a step's backwards but
+its last sum it on the device.
+
 The expected texts live in ``tests/goldens/<case>_<part>.txt``. After an intended change, rerun
 with ``STORM_ACCEPT_GOLDENS=1`` to rewrite them from the actual output, then review their diff.
 """
@@ -34,6 +39,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import cost_model
 from storm_compile.cli.report import annotate, format_table
 from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
@@ -99,18 +105,30 @@ STREAMED_RESIDENT_BYTES = 256
 
 
 def test_golden_streamed_weights():
-    torch.manual_seed(0)
-    model = _Tiny()
-    stream_parameters(model, "cpu", resident_bytes=STREAMED_RESIDENT_BYTES)
-    captured = []
-    backend = StormBackend(StormConfig.from_options(**BASE_OPTIONS), observer=captured.append)
-    torch.compile(model, backend=backend)(torch.randn(16, 8)).sum().backward()
-    (graphs,) = captured
-    annotated = annotate(graphs, backend.ctx.cost)
+    graphs = _streamed_tiny(**BASE_OPTIONS)
+    annotated = annotate(graphs, cost_model())
     annotated.pop("prediction")
     assert_golden("streamed_forward", graphs.forward.code)
     assert_golden("streamed_backward", graphs.backward.code)
     assert_golden("streamed_schedule", format_table(annotated))
+
+
+def _streamed_tiny(**options):
+    torch.manual_seed(0)
+    model = _Tiny()
+    stream_parameters(model, "cpu", resident_bytes=STREAMED_RESIDENT_BYTES)
+    captured = []
+    backend = StormBackend(StormConfig.from_options(**options), observer=captured.append)
+    torch.compile(model, backend=backend)(torch.randn(16, 8)).sum().backward()
+    (graphs,) = captured
+    return graphs
+
+
+def test_golden_streamed_weights_kept_and_summed():
+    graphs = _streamed_tiny(**BASE_OPTIONS, memory_budget="1GiB")
+    assert [w.summed for w in graphs.storages.resident] == [True, True]
+    assert_golden("summed_forward", graphs.forward.code)
+    assert_golden("summed_backward", graphs.backward.code)
 
 
 @pytest.mark.parametrize("case", CASES)

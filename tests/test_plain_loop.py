@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from helpers import CPU_TEST_OPTIONS
+from helpers import CPU_TEST_OPTIONS, streamed, unstreamed_name
 from storm_compile import StormOverlapError, overlap_optimizer, storm
 from storm_compile.runtime.cycles import STABLE_CYCLES
 from storm_compile.runtime.streams import get_runtime
@@ -20,10 +20,6 @@ from test_streaming import MICRO_BATCHES, _budget_with_room, _pair
 STEPS = STABLE_CYCLES + 2
 """Steps that learn the loop, then steps that take the fast path."""
 LR = 1e-2
-
-
-def _streamed(model):
-    return [p for p in model.parameters() if getattr(p, "storm_streamed", False)]
 
 
 def _loop(net, batch, backend, *, clip: float | None = None, configure=None,
@@ -43,7 +39,7 @@ def _loop(net, batch, backend, *, clip: float | None = None, configure=None,
         for _ in range(micro_batches):
             loss = run(*batch) / micro_batches
             loss.backward()
-        owner = [get_runtime().cycles.owner(p) for p in _streamed(net)]
+        owner = [get_runtime().cycles.owner(p) for p in streamed(net)]
         overlapped.append(any(o is not None and o[1].stepped for o in owner))
         if after_backward is not None:
             after_backward(step)
@@ -134,7 +130,7 @@ def test_a_gradient_copied_home_alone_has_its_norm_taken_where_it_was_made():
                    after_backward=_norms(model, got))
     _assert_trains_like(result, expected)
     assert got == pytest.approx(want)
-    assert get_runtime().norms_served - served >= len(_streamed(model)) * (STEPS - 1)
+    assert get_runtime().norms_served - served >= len(streamed(model)) * (STEPS - 1)
     assert result[2] == [False] * STABLE_CYCLES + [True] * (STEPS - STABLE_CYCLES)
 
 
@@ -340,24 +336,24 @@ def test_host_weight_changes_reach_the_device_copy_before_its_next_read(route):
 
 def test_autograd_grad_over_a_streamed_parameter_is_an_error_and_leaves_grad_alone():
     _, model, batch = _pair()
-    weight = _streamed(model)[0]
+    weight = streamed(model)[0]
     run = torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))
     with pytest.raises(Exception, match="autograd.grad cannot return the gradient"):
         torch.autograd.grad(run(*batch), [weight])
-    assert all(p.grad is None for p in _streamed(model))
+    assert all(p.grad is None for p in streamed(model))
 
 
 @pytest.mark.parametrize("backend", ["eager", "storm"])
 def test_backward_with_inputs_fills_only_those_inputs(backend):
     reference, model, batch = _pair()
     backends = {"eager": None, "storm": storm(**CPU_TEST_OPTIONS)}
-    chosen = _streamed(model)[:1]
-    others = _streamed(model)[1:]
+    chosen = streamed(model)[:1]
+    others = streamed(model)[1:]
     run = model if backends[backend] is None else torch.compile(model, backend=backends[backend])
     run(*batch).backward(inputs=chosen)
     reference(*batch).backward()
     assert all(p.grad is None for p in others)
-    names = {id(p): _model_name(n) for n, p in model.named_parameters()}
+    names = {id(p): unstreamed_name(n) for n, p in model.named_parameters()}
     expected = dict(reference.named_parameters())
     for param in chosen:
         torch.testing.assert_close(param.grad, expected[names[id(param)]].grad)
@@ -369,20 +365,15 @@ def test_autograd_grad_over_other_tensors_leaves_streamed_grads_alone():
     run = torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))
     (grad,) = torch.autograd.grad(run(*batch), resident[:1])
     assert grad is not None
-    assert all(p.grad is None for p in _streamed(model))
+    assert all(p.grad is None for p in streamed(model))
 
 
 def test_a_tensor_hook_on_a_streamed_parameter_is_an_error():
     _, model, batch = _pair()
-    _streamed(model)[0].register_hook(lambda grad: grad)
+    streamed(model)[0].register_hook(lambda grad: grad)
     run = torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))
     with pytest.raises(Exception, match="register_post_accumulate_grad_hook"):
         run(*batch).backward()
-
-
-def _model_name(name: str) -> str:
-    """A parameter's name in the unstreamed model."""
-    return name.replace("parametrizations.", "").replace(".original", "")
 
 
 def test_a_post_accumulate_grad_hook_sees_the_whole_gradient():
@@ -393,11 +384,11 @@ def test_a_post_accumulate_grad_hook_sees_the_whole_gradient():
     for name, param in model.named_parameters():
         if getattr(param, "storm_streamed", False):
             param.register_post_accumulate_grad_hook(
-                lambda p, name=_model_name(name): seen.__setitem__(name, p.grad.clone()))
+                lambda p, name=unstreamed_name(name): seen.__setitem__(name, p.grad.clone()))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.compile(model, backend=storm(**CPU_TEST_OPTIONS))(*batch).backward()
-    assert len(seen) == len(_streamed(model))
+    assert len(seen) == len(streamed(model))
     for name, grad in seen.items():
         torch.testing.assert_close(grad, expected[name])
 

@@ -15,7 +15,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from helpers import CPU_TEST_OPTIONS, asking, cost_model, nodes
+from helpers import CPU_TEST_OPTIONS, asking, cost_model, nodes, streamed, unstreamed_name
 from storm_compile import storm
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
 from storm_compile.cli.report import summary
@@ -32,6 +32,8 @@ from storm_compile.fx.vocabulary import RECOMPUTE_TAG, storage_owner, tensor_byt
 from storm_compile.passes import (
     StormBudgetError,
     StormVerificationError,
+    insert_transfers,
+    plan_gradient_sums,
     refetch_weights,
     sum_tied_gradients,
     verify_graphs,
@@ -854,6 +856,131 @@ def test_resident_weights_follow_the_optimizer():
         torch.testing.assert_close(param, expected)
 
 
+def test_room_left_by_resident_weights_sums_their_gradients_on_the_device():
+    graphs, _ = _streamed_graphs(offload="hidden",
+                                 memory_budget=asking(_budget_with_room(1 << 30)))
+    resident = graphs.storages.resident
+    assert resident and all(w.summed for w in resident), "every gradient has room"
+    sends = nodes(graphs.backward, ops.send_grad)
+    assert sends and all(len(n.args) == 3 and n.args[2].name in {w.name for w in resident}
+                         for n in sends)
+    prediction = simulate(graphs, cost_model())
+    row = summary(graphs, prediction, "cpu-test")
+    assert row["summed_gradient_bytes"] == sum(w.nbytes for w in resident)
+    assert row["device_bytes"] == device_bytes(graphs, prediction)
+    assert graphs.share.resident_bytes == 2 * row["summed_gradient_bytes"]
+
+
+def test_planning_gradient_sums_again_or_with_nothing_kept_changes_nothing():
+    options = {"offload": "hidden", "memory_budget": asking(_budget_with_room(1 << 30))}
+    graphs, config = _streamed_graphs(**options)
+    code = graphs.backward.code
+    ctx = PassContext(config, cost_model(), resident_room=1 << 30)
+    again = insert_transfers(plan_gradient_sums(graphs, ctx), ctx)
+    assert again.backward.code == code and again.storages == graphs.storages
+    plain, config = _streamed_graphs()
+    assert plan_gradient_sums(plain, PassContext(config, cost_model(),
+                                                 resident_room=1 << 30)) is plain
+
+
+def test_gradients_summed_on_the_device_are_sums_only_where_room_is_left():
+    """With room for a few weights, only what is left after them holds sums, never more."""
+    plain, _ = _streamed_graphs()
+    first = _weights_in_read_order(plain)[0]
+    budget = _budget_with_room(3 * tensor_bytes(first.meta["val"]))
+    graphs, _ = _streamed_graphs(offload="hidden", memory_budget=asking(budget))
+    resident = graphs.storages.resident
+    assert resident and not all(w.summed for w in resident)
+    assert device_bytes(graphs, simulate(graphs, cost_model())) <= budget
+    summed = {w.name for w in resident if w.summed}
+    assert {n.args[2].name for n in nodes(graphs.backward, ops.send_grad)
+            if len(n.args) == 3} == summed
+
+
+def test_a_held_micro_batch_sends_no_summed_gradient_home():
+    graphs, _ = _streamed_graphs(offload="hidden",
+                                 memory_budget=asking(_budget_with_room(1 << 30)))
+    cost = _host_rates(add=1e6)
+    sent, held = simulate(graphs, cost), simulate(graphs, cost, held=True)
+    assert not [c for c in held.copies if c.graph == "bw"]
+    assert not held.host and held.host_wait_s == 0.0
+    assert [h.work for h in sent.host] == ["keep"] * len(sent.host), \
+        "a sum comes home once a step, into a .grad that is None"
+    step = predict_step(graphs, cost, micro_batches=4, overlapped=False)
+    assert step.micro_batch_s == pytest.approx(held.step_s)
+    assert step.last_micro_batch_s == pytest.approx(sent.step_s)
+    assert step.last_micro_batch_s > step.micro_batch_s
+
+
+def _summing(model, batch, micro_batches: int):
+    """``model`` compiled with every weight kept on the device and its gradients summed there,
+    its optimizer, stated to step after ``micro_batches`` backwards, and a backward of one
+    micro-batch."""
+    backend = storm(**{**CPU_TEST_OPTIONS, "offload": "hidden",
+                       "memory_budget": asking(_budget_with_room(1 << 30))})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    streaming.overlap_optimizer(optimizer, backwards_per_step=micro_batches)
+    run = torch.compile(model, backend=backend)
+
+    def backward(scale: float = 1.0):
+        (run(*batch) * scale).backward()
+
+    return optimizer, backward
+
+
+def _stored_grads(model) -> list:
+    """The streamed parameters' ``.grad`` as stored, without the read that sends a device sum
+    home."""
+    return [torch.Tensor.grad.__get__(p) for p in streamed(model)]
+
+
+def test_a_read_between_micro_batches_sends_the_device_sum_home_first():
+    reference, model, batch = _pair()
+    _, backward = _summing(model, batch, micro_batches=3)
+    backward()
+    assert all(g is None for g in _stored_grads(model)), "the first micro-batch stayed there"
+    reference(*batch).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        if getattr(param, "storm_streamed", False):
+            torch.testing.assert_close(param.grad, expected[unstreamed_name(name)])
+
+
+def test_a_gradient_set_to_none_between_micro_batches_drops_its_device_sum():
+    reference, model, batch = _pair()
+    _, backward = _summing(model, batch, micro_batches=2)
+    backward(scale=5.0)
+    for param in streamed(model):
+        param.grad = None
+    backward()                                   # the step's last: sends what it holds
+    reference(*batch).backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        if getattr(param, "storm_streamed", False):
+            torch.testing.assert_close(param.grad, expected[unstreamed_name(name)])
+
+
+def test_a_step_of_fewer_backwards_than_learned_steps_with_the_device_sums():
+    reference, model, batch = _pair()
+    optimizer, backward = _summing(model, batch, micro_batches=3)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    ref_run = torch.compile(reference, backend=storm(**CPU_TEST_OPTIONS))
+    for micro_batches in (3, 2):        # the model's first step is a whole one
+        for _ in range(micro_batches):
+            ref_run(*batch).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    for _ in range(3):
+        backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    for _ in range(2):
+        backward()                               # both held: storm was told of three
+    optimizer.step()
+    for param, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), want.detach())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("way", ["overlapped-optimizer", "resident-weights", "deferred",
                                  "deferred-overlapped", "plain-loop"])
@@ -867,8 +994,8 @@ def test_streamed_training_on_the_gpu_matches_each_way_of_running_the_step(way):
     torch.manual_seed(0)
     built, batch = build_llama(SHAPE, device="cuda")
     reference, model = copy.deepcopy(built).cpu(), copy.deepcopy(built).cpu()
-    for streamed in (reference, model):
-        stream_parameters(streamed, "cuda", resident_bytes=RESIDENT_BYTES)
+    for net in (reference, model):
+        stream_parameters(net, "cuda", resident_bytes=RESIDENT_BYTES)
     _, expected = _train(reference, batch, storm(min_offload_bytes=0), lr=1e-2, fused=True,
                          scheduled=True, overlap=False)
     if way == "plain-loop":

@@ -141,6 +141,7 @@ def summary(graphs: StormGraphs, prediction: Prediction, profile: str,
         "streamed_weight_bytes": sum(tensor_bytes(n.meta.get("val")) for n in streamed),
         "host_format": host_format,
         "resident_weight_bytes": sum(w.nbytes for w in graphs.storages.resident),
+        "summed_gradient_bytes": sum(w.nbytes for w in graphs.storages.resident if w.summed),
         "device_bytes": device_bytes(graphs, prediction),
         "tokens": tokens,
         "predicted_tokens_per_s": None if tokens is None else tokens / prediction.step_s,
@@ -276,7 +277,11 @@ def format_storages(annotated: dict[str, object], title: str) -> str:
         lines.append(("streamed weights", f"{_size(s['streamed_weight_bytes'])} fetched from "
                                           f"host memory{held}, "
                                           f"{_size(s['resident_weight_bytes'])} "
-                                          f"kept on the device"))
+                                          f"kept on the device" + (
+                                              f", the gradients of "
+                                              f"{_size(s['summed_gradient_bytes'])} of them "
+                                              f"summed there" if s["summed_gradient_bytes"]
+                                              else "")))
     if s["tokens"] is not None:
         lines.append(("throughput", f"{s['predicted_tokens_per_s']:.0f} tokens/s predicted "
                                     f"({s['tokens']} tokens per micro-batch, forward and "
@@ -396,7 +401,8 @@ def _text_table(rows: list[dict[str, object]], columns: Sequence[Column]) -> str
 THROUGHPUT_FIELDS = ("tokens", "micro_batches", "predicted_tokens_per_s", "optimizer_step_ms",
                      "first_micro_batch_ms", "micro_batch_ms", "host_wait_ms", "optimizer_ms",
                      "exposed_transfer_ms", "activation_bytes", "device_bytes",
-                     "streamed_weight_bytes", "resident_weight_bytes", "host_format")
+                     "streamed_weight_bytes", "resident_weight_bytes",
+                     "summed_gradient_bytes", "host_format")
 """What ``storm throughput`` shows per tokens per micro-batch and micro-batches per step."""
 
 

@@ -35,6 +35,7 @@ from storm_compile.passes import (
     annotate_costs,
     insert_transfers,
     place_transfers,
+    plan_gradient_sums,
     plan_memory,
     plan_offload,
     plan_weights,
@@ -252,11 +253,15 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
        (:func:`_with_residents`), and, unless
        that kept every streamed weight, once more from a plan whose activation target is lower
        by up to the streamed weights' bytes (activations traded for weights kept): of the
-       fitting plan and those whose peak fits, the one with the fastest predicted step.
+       fitting plan and those whose peak fits, the one with the fastest predicted step;
+    3. in the room that plan's peak leaves under the user's budget, sum the gradients of its
+       resident weights on the device (``plan_gradient_sums``, then ``insert_transfers`` gives
+       their sends the weights): a sum holds the weight's bytes and changes nothing else of
+       the plan.
 
     The returned graphs' ``share`` is their plan's part of the step, for the caller to record
     in the step's ledger; the passes only read the step (``ctx.others``)."""
-    asked = ctx.config
+    asked, user = ctx.config, ctx
     budget = asked.memory_budget.planned.nbytes      # the byte budget less its margin
     streams = device_weights(graphs.forward, asked.prefetch_window_bytes).streams
     first = plan_storages(graphs, ctx)
@@ -307,7 +312,12 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         kept = _traded(graphs, fewer, room)
         if kept is not None:
             best = min(best, kept, key=lambda plan: plan.step_s)
-    return _with_peak(best.graphs, best.peak)
+    summed = _run(plan_gradient_sums, best.graphs,
+                  dataclasses.replace(user, resident_room=room - best.peak))
+    if summed is best.graphs:
+        return _with_peak(best.graphs, best.peak)
+    held = summed.share.resident_bytes - best.graphs.share.resident_bytes
+    return _with_peak(_run(insert_transfers, summed, user), best.peak + held)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -338,6 +338,10 @@ class MeasuredCosts:
         return start.elapsed_time(end) / MS
 
 
+DEVICE_ADD_TRAFFIC = 3
+"""An in-place addition reads both operands and writes one of them."""
+
+
 class CostModel:
     """Per-node compute time and per-copy transfer time under one :class:`DeviceProfile`.
 
@@ -429,6 +433,12 @@ class CostModel:
             query = _value(node.args[1])
             return int(ATTENTION_BACKWARD_ACCUMULATOR * tensor_bytes(query))
         return 0
+
+    def device_add_seconds(self, nbytes: int) -> float:
+        """Seconds the compute stream takes to add a gradient of ``nbytes`` into its sum on the
+        device: :data:`DEVICE_ADD_TRAFFIC` times its bytes through device memory."""
+        return max(self.profile.launch_s,
+                   DEVICE_ADD_TRAFFIC * nbytes / self.profile.memory_bandwidth)
 
     def host_add_seconds(self, nbytes: int) -> float:
         """Seconds the host takes to add a gradient of ``nbytes`` into its parameter's grad."""

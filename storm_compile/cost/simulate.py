@@ -16,9 +16,11 @@ without storm.
 A fourth lane is storm's host thread (``runtime.HostAdder``): each ``accumulate_grad`` hands it
 a gradient, which it adds once the gradient's copy home is done, in graph order (in a step's
 first micro-batch a weight's first gradient costs it nothing: it stays in its buffer as the
-weight's ``.grad``); with an overlapped optimizer it steps each streamed weight once the
-weight's gradients are all added, between additions while the next copy still moves, and
-after the last. ``wait_host`` holds the end of the backward until the host thread is done. The
+weight's ``.grad``; so does the sum of a weight whose gradients are summed on the device, which
+comes home once a step, and in the step's other micro-batches those gradients cost a device
+addition instead of a copy home and the host's work); with an overlapped optimizer it steps
+each streamed weight once the weight's gradients are all added, between additions while the
+next copy still moves, and after the last. ``wait_host`` holds the end of the backward until the host thread is done. The
 host is assumed to have launched the backward's kernels ahead of the GPU, so a step never waits
 for the launches to end.
 :func:`predict_step` puts micro-batches and the optimizer together into one optimizer step.
@@ -135,6 +137,12 @@ def _copy_of(node: fx.Node) -> fx.Node:
     return node
 
 
+def _summed(send: fx.Node) -> bool:
+    """Whether ``send`` (a copy) is a gradient's ``storm.send_grad`` given its weight: summed on
+    the device across a step's backwards."""
+    return send.target is ops.send_grad and len(send.args) > 2
+
+
 def _storage_bytes(node: fx.Node) -> int:
     return tensor_bytes(node.meta.get("val"))
 
@@ -216,7 +224,8 @@ class _HostThread:
             while ready and free < arrives:
                 free = self._run(ready.popleft(), "step", free)
             weight = accumulate.args[1]
-            work = "keep" if self.first and weight not in self.kept else "add"
+            first = self.first and weight not in self.kept
+            work = "keep" if first or _summed(_copy_of(accumulate)) else "add"
             self.kept.add(weight)
             free = self._run(accumulate, work, max(free, arrives))
             adds_left[weight] -= 1
@@ -276,28 +285,34 @@ def _laid_out_inputs(graph: fx.Graph) -> list[fx.Node]:
 
 def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _HostThread,
           start: float, live: int, held: list[fx.Node], host_inputs: set[fx.Node],
-          baseline: int, timings: list[NodeTiming], channels_last: bool) -> _Walked:
+          baseline: int, timings: list[NodeTiming], channels_last: bool,
+          kept: set[fx.Node] = frozenset()) -> _Walked:
     """Run one graph from ``live`` bytes, of which ``held`` are inputs it may release (or copies
-    of them); ``channels_last``: whether Inductor lays the pair's convolutions out so."""
+    of them); ``channels_last``: whether Inductor lays the pair's convolutions out so;
+    ``kept``: the gradients' sends that add into a sum on the device instead of copying."""
     memory = _Memory(gm.graph, host_inputs)
     allocated = {node: _storage_bytes(node) for node in held}
     t, peak, stall, host_wait = start, live, 0.0, 0.0
     for index, node in enumerate(gm.graph.nodes):
         lane, begin = Lane.COMPUTE, t
-        if node.target in COPY_LANES:
+        if node in kept:
+            t += cost.device_add_seconds(_storage_bytes(node))
+        elif node.target in COPY_LANES:
             lane = COPY_LANES[node.target]
             link.enqueue(node, lane, _storage_bytes(node), t)
             t += cost.profile.transfer_host_s / TRANSFER_DIRECTIONS
         elif node.target in (ops.wait_event, ops.wait_host):
             waited = node.args[0] if node.target is ops.wait_host else [node.args[0]]
-            t = max([t, *(link.finish_time(_copy_of(w)) for w in waited)])
+            t = max([t, *(link.finish_time(_copy_of(w)) for w in waited
+                          if _copy_of(w) not in kept)])
             stall += t - begin
             if node.target is ops.wait_host:
                 copies_done = t
                 t = max(t, host.finish_time(link))
                 host_wait += t - copies_done
         elif node.target is ops.accumulate_grad:
-            host.hand_over(node)
+            if _copy_of(node) not in kept:
+                host.hand_over(node)
             lane = Lane.NONE
         elif is_compute(node):
             t += cost.compute_seconds(node)
@@ -317,11 +332,13 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _Ho
 
 
 def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False,
-             first: bool = False) -> Prediction:
+             first: bool = False, held: bool = False) -> Prediction:
     """Predict step time, exposed transfer time, activation memory and peak of the pair; with
     ``steps``, the host thread also steps each streamed weight in the backward (an overlapped
     optimizer's last micro-batch); with ``first``, the pair is a step's first micro-batch,
-    whose gradients the host keeps as ``.grad`` instead of adding them."""
+    whose gradients the host keeps as ``.grad`` instead of adding them; with ``held``, a
+    micro-batch of a step of several but its last, whose gradients summed on the device stay
+    there."""
     fw, bw = graphs.forward, graphs.backward
     link = _Link(cost)
     host = _HostThread(cost, "bw", steps, first)
@@ -345,8 +362,10 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False,
                if isinstance(n, fx.Node)]
     bw_live = baseline + sum(_storage_bytes(n) for n in visible) + sum(
         _storage_bytes(n) for n in on_device + copied)
+    kept = {n for n in bw.graph.find_nodes(op="call_function", target=ops.send_grad)
+            if held and _summed(n)}
     backward = _walk(bw, "bw", cost, link, host, forward.end_s, bw_live, on_device + copied,
-                     host_inputs, baseline, timings, channels_last)
+                     host_inputs, baseline, timings, channels_last, kept)
     copies = []
     for name, gm in (("fw", fw), ("bw", bw)):
         for target, lane in COPY_LANES.items():
@@ -390,9 +409,9 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
     only = micro_batches == 1
-    first = simulate(graphs, cost, steps=overlapped and only, first=True)
-    each = first if only else simulate(graphs, cost)
-    last = each.step_s if only or not overlapped else simulate(graphs, cost, steps=True).step_s
+    first = simulate(graphs, cost, steps=overlapped and only, first=True, held=not only)
+    each = first if only else simulate(graphs, cost, held=True)
+    last = first if only else simulate(graphs, cost, steps=overlapped)
     optimizer = 0.0 if overlapped else sum(
         cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
     opening, opening_wait = first.step_s, first.host_wait_s
@@ -403,10 +422,10 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
         opening, opening_wait = first.step_s - first.host_wait_s, 0.0
     return StepPrediction(micro_batches=micro_batches, overlapped=overlapped,
                           accumulating=accumulating, first_micro_batch_s=opening,
-                          micro_batch_s=micro, last_micro_batch_s=last, optimizer_s=optimizer,
-                          exposed_transfer_s=each.exposed_transfer_s,
+                          micro_batch_s=micro, last_micro_batch_s=last.step_s,
+                          optimizer_s=optimizer, exposed_transfer_s=each.exposed_transfer_s,
                           first_host_wait_s=opening_wait, host_wait_s=wait,
-                          last_host_wait_s=each.host_wait_s + last - each.step_s)
+                          last_host_wait_s=last.host_wait_s)
 
 
 def host_inputs(graphs: StormGraphs) -> set[fx.Node]:
@@ -420,6 +439,8 @@ def device_bytes(graphs: StormGraphs, prediction: Prediction) -> int:
     (parameters left there, buffers, the batch, the kept copy of a resident streamed weight)
     and the peak above them."""
     streamed = host_inputs(graphs)
-    return prediction.peak_bytes + sum(
+    sums = sum(w.nbytes for w in graphs.storages.resident if w.summed) \
+        if graphs.storages is not None else 0
+    return prediction.peak_bytes + sums + sum(
         tensor_bytes(n.meta.get("val")) for n in graphs.forward.graph.find_nodes(op="placeholder")
         if n not in streamed)

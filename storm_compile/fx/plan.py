@@ -255,6 +255,15 @@ class ResidentWeight:
     name: str
     """The host weight's graph input, named the same in both graphs."""
     nbytes: int
+    summed: bool = False
+    """Its gradients are summed on the device across a step's backwards and sent home once,
+    by the last (``storm.send_grad`` with the weight): the plan leaves room there for the sum,
+    ``nbytes`` more."""
+
+    @property
+    def device_bytes(self) -> int:
+        """What it holds on the device across the step: the weight, and its gradients' sum."""
+        return self.nbytes * (2 if self.summed else 1)
 
 
 @dataclasses.dataclass(frozen=True)

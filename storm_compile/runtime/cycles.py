@@ -75,8 +75,15 @@ class Cycle:
     def final_backward(self) -> int | None:
         """How many backwards come before the one that steps the streamed parameters, or None
         while not known."""
-        if not self.enabled:
-            return None
+        return self.last_backward() if self.enabled else None
+
+    def last_backward(self) -> int | None:
+        """How many backwards come before a step's last, stated or learned, whether or not the
+        optimizer steps during it; None while not known. A gradient summed on the device
+        until then goes home once
+        (:meth:`~storm_compile.runtime.streams.TransferRuntime.send_grad`): a step of fewer
+        backwards sends the sums when it reads them or steps, so a wrong count costs time,
+        never a gradient."""
         if self.backwards_per_step is not None:
             return self.backwards_per_step - 1
         if len(self.counts) == STABLE_CYCLES and len(set(self.counts)) == 1 \

@@ -45,6 +45,13 @@ across steps and copies again only when ``w`` may have changed (after any optimi
 when its version counter or data moved), cloned on the device for each read so that the
 compiled graph owns, and may reuse, the memory it reads.
 
+Such a weight whose gradients have room on the device too (``ResidentWeight.summed``) sends
+each with the weight, ``storm.send_grad(g, host_limit, w)``: in a backward that is not its
+step's last, as :mod:`storm_compile.runtime.cycles` learned the loop, the runtime adds ``g`` into
+a sum on the device and returns a placeholder that the copy's event, wait and addition pass
+over; the step's last backward sends the sum home, once
+(:meth:`~storm_compile.runtime.streams.TransferRuntime.send_grad`).
+
 NOTE: the GPU memory of an offloaded tensor is released by ordinary reference counting (the
 wait is the tensor's last use, after which Inductor and FX drop it), not by ``record_stream``
 (which delays frees unpredictably and fragments the allocator) and not by shrinking the storage
@@ -135,7 +142,7 @@ def _wait_event_fake(x: torch.Tensor, keepalive: torch.Tensor | None = None) -> 
 _lib.define("fetch_weight(Tensor w, Device device) -> Tensor")
 _lib.define("resident_weight(Tensor w, Device device) -> Tensor")
 _lib.define("grad_to_host(Tensor grad, Tensor w) -> ()")
-_lib.define("send_grad(Tensor grad, int host_limit) -> Tensor")
+_lib.define("send_grad(Tensor grad, int host_limit, Tensor? weight=None) -> Tensor")
 _lib.define("accumulate_grad(Tensor(a) x, Tensor w) -> Tensor(a)")
 _lib.define("wait_host(Tensor[] tokens) -> ()")
 
@@ -172,8 +179,10 @@ def _grad_to_host_fake(grad: torch.Tensor, w: torch.Tensor) -> None:
     return None
 
 
-@torch.library.impl(_lib, "send_grad", _COMPOSITE)
-def _send_grad(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
+def copy_home(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
+    """``grad`` in a contiguous host tensor: on a GPU, copied on the D2H stream into a pinned
+    buffer of the pool (the host reads it once the copy is done), or synchronously when the pool
+    cannot give one; elsewhere a clone."""
     if grad.device.type != "cuda":
         host = grad.clone(memory_format=torch.contiguous_format)
     else:
@@ -184,8 +193,17 @@ def _send_grad(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
     return host
 
 
+@torch.library.impl(_lib, "send_grad", _COMPOSITE)
+def _send_grad(grad: torch.Tensor, host_limit: int,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    if weight is None:
+        return copy_home(grad, host_limit)
+    return get_runtime().send_grad(grad, host_limit, weight, copy_home)
+
+
 @torch.library.register_fake("storm::send_grad")
-def _send_grad_fake(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
+def _send_grad_fake(grad: torch.Tensor, host_limit: int,
+                    weight: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
 
 

@@ -510,6 +510,15 @@ class TransferRuntime:
         self._warned_pinning = False
         self._warned_writes: weakref.WeakSet = weakref.WeakSet()
         """Optimizers warned about writes (held weakly: a new one may reuse a dead one's id)."""
+        self._sums = WeakIdKeyDictionary()
+        """The device sum of each streamed parameter's gradients held there since the last
+        time they went home (:meth:`send_grad`)."""
+        self._placeholders: dict[tuple, torch.Tensor] = {}
+        """What ``storm.send_grad`` returns for a gradient it kept on the device, per shape and
+        dtype: a host tensor never written or read (its pages are never touched)."""
+        self._sending: dict[int, torch.Tensor] = {}
+        """A sum on its way home, by its host copy's data pointer, kept alive until the compute
+        stream waits for the copy (:meth:`wait`)."""
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._d2h:
@@ -586,10 +595,66 @@ class TransferRuntime:
             self.pool.reserve([w.numel() * w.element_size() for w in weights], limit)
 
     def wait(self, tensor: torch.Tensor) -> None:
-        """Make the compute stream wait on the recorded completion event of ``tensor``'s copy."""
+        """Make the compute stream wait on the recorded completion event of ``tensor``'s copy;
+        a sum that copy reads is then released (the compute stream, where it was made, now
+        follows the copy)."""
         pending = self._events.pop(tensor.data_ptr(), None)
         if pending is not None:
             torch.cuda.current_stream(pending.device).wait_event(pending.event)
+        self._sending.pop(tensor.data_ptr(), None)
+
+    def send_grad(self, grad: torch.Tensor, limit: int, param: torch.Tensor,
+                  copy_home: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+        """``storm.send_grad`` of a gradient of ``param`` that the plan left room to sum on the
+        device: when the running backward accumulates into ``param`` and is not its step's last
+        (:meth:`Cycle.last_backward`), add ``grad`` into ``param``'s sum there (a copy of it,
+        the first time) and return a placeholder that :meth:`accumulate` passes over; else
+        send the sum with ``grad`` added, or ``grad`` alone, home with ``copy_home``. The
+        sum goes home early wherever the gradient is read or replaced before then
+        (:meth:`read_grad`, :meth:`grad_replaced`, every optimizer step)."""
+        if not self._accumulates(param):
+            return copy_home(grad, limit)
+        total = self._sums.pop(param, None)
+        if total is not None:
+            total.add_(grad)
+        if self._sums_later(param):
+            self._sums[param] = grad.clone(memory_format=torch.contiguous_format) \
+                if total is None else total
+            return self._placeholder(grad)
+        if total is None:
+            return copy_home(grad, limit)
+        host = copy_home(total, limit)
+        self._sending[host.data_ptr()] = total
+        return host
+
+    def _sums_later(self, param: torch.Tensor) -> bool:
+        owner = self.cycles.owner(param)
+        last = None if owner is None else owner[1].last_backward()
+        return last is not None and self.backwards < last
+
+    def _placeholder(self, grad: torch.Tensor) -> torch.Tensor:
+        key = (tuple(grad.shape), grad.dtype)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
+        return self._placeholders[key]
+
+    def _send_sum(self, param: torch.Tensor) -> None:
+        """Add ``param``'s device sum, if it has one, into its ``.grad`` now."""
+        total = self._sums.pop(param, None)
+        if total is not None:
+            self._adder.add(total.to(param.device), param, None)
+            self._adder.settle()
+
+    def grad_replaced(self, param: torch.Tensor, cleared: bool) -> None:
+        """``param``'s ``.grad`` is set or deleted off the host thread: the additions still
+        running finish first (into the gradient replaced), its device sum belongs to that
+        gradient and is dropped, and ``cleared`` (set to None) is :meth:`grad_cleared`."""
+        if self._adder.on_thread():
+            return
+        self._adder.settle()
+        self._sums.pop(param, None)
+        if cleared:
+            self.grad_cleared()
 
     def accumulate(self, x: torch.Tensor, param: torch.Tensor) -> None:
         """Add host tensor ``x`` into ``param.grad``, after the copy that produced ``x``
@@ -598,6 +663,9 @@ class TransferRuntime:
         :attr:`stepper`, or in the backward that :mod:`storm_compile.runtime.cycles` learned to be a
         step's last, step ``param`` once its gradient is complete and no copy launched from it
         is still reading it."""
+        if any(x is p for p in self._placeholders.values()):
+            self._carried = True        # summed on the device (send_grad): it came all the same
+            return
         event = self._host_events.pop(x.data_ptr(), None)
         norm = self._sent_norms.pop(x.data_ptr(), None)
         if not self._accumulates(param):
@@ -678,7 +746,7 @@ class TransferRuntime:
         optimizer step (``zero_grad``): the backwards counted towards the next step start
         again from zero, so a backward run without a step since (an evaluation's, an aborted
         step's) does not shift what :mod:`storm_compile.runtime.cycles` learns."""
-        if not self._adder.on_thread() and not self._in_step:
+        if not self._in_step:
             self.backwards = 0
 
     def read_grad(self, param: torch.Tensor) -> torch.Tensor | HeldGrad | None:
@@ -690,6 +758,7 @@ class TransferRuntime:
         on_thread = self._adder.on_thread()
         if not on_thread:
             self._adder.settle()
+            self._send_sum(param)
         grad = _TENSOR_GRAD.__get__(param)
         if grad is None or on_thread or self._in_step or not self.backwards:
             return grad
@@ -768,6 +837,8 @@ class TransferRuntime:
         the step's backwards, and stops stepping that optimizer's parameters during them."""
         if self._adder.on_thread():
             return
+        for param in list(self._sums.keys()):
+            self._send_sum(param)
         self._adder.join()
         streamed = streamed_parameters(optimizer)
         self._check_writes(streamed)

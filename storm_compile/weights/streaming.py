@@ -87,12 +87,12 @@ class HostParameter(nn.Parameter):
 
     @grad.setter
     def grad(self, value: torch.Tensor | None) -> None:
-        if value is None:
-            get_runtime().grad_cleared()
+        get_runtime().grad_replaced(self, cleared=value is None)
         _TENSOR_GRAD.__set__(self, value)
 
     @grad.deleter
     def grad(self) -> None:
+        get_runtime().grad_replaced(self, cleared=False)
         _TENSOR_GRAD.__delete__(self)
 
     @property

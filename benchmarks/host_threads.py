@@ -21,13 +21,13 @@ from tabulate import tabulate
 
 from benchmarks.compile_time import write
 from storm_compile.cost.calibrate import seconds_on_a_thread
+from storm_compile.fx.vocabulary import GB
 
 DTYPE = torch.bfloat16
 """The dtype of the streamed models' weights and gradients."""
 REPEATS = 5
 DEFAULT_BYTES = 256 << 20
 """Far above the last-level cache of a server CPU (tens of MiB), so the rates are memory's."""
-GB = 1e9
 
 
 def rates(nbytes: int, threads: int) -> dict[str, float]:

@@ -97,7 +97,7 @@ from storm_compile.cost.calibrate import profile_for
 from storm_compile.cost.simulate import device_bytes, predict_step, simulate
 from storm_compile.fx.graphs import COST_KEY, StormGraphs
 from storm_compile.fx.prediction import StepPrediction
-from storm_compile.fx.vocabulary import GIB, MS
+from storm_compile.fx.vocabulary import GB, GIB, MS, US
 from storm_compile.weights.quantize import FORMATS, dequantize, quantize
 from storm_compile.weights.streaming import (
     DEFAULT_RESIDENT_BYTES,
@@ -480,8 +480,18 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
                    pred_op_ms=dict(run.op_ms.most_common(OPS_REPORTED)))
 
 
+def _rates(profile: dict) -> str:
+    """The link and host rates of the profile storm planned with, as a line of the report."""
+    return (f"Storm's profile ({profile['name']}): H2D {profile['h2d_bandwidth'] / GB:.1f} GB/s, "
+            f"D2H {profile['d2h_bandwidth'] / GB:.1f} GB/s, both at once "
+            f"{profile['duplex_bandwidth'] / GB:.1f} GB/s, "
+            f"{profile['copy_latency_s'] * US:.0f} µs copy latency, host additions "
+            f"{profile['host_add_bandwidth'] / GB:.1f} GB/s, host AdamW "
+            f"{profile['host_adamw_bandwidth'] / GB:.2f} GB/s.")
+
+
 def markdown(results: dict) -> str:
-    parts = []
+    parts = [_rates(results["profile"])] if "profile" in results else []
     if results.get("lora") is not None:
         held = results["host_format"] or "their dtype"
         parts.append(f"LoRA rank {results['lora']} beside every linear layer, the base frozen, "
@@ -623,7 +633,7 @@ def main(argv=None) -> int:
                                else platform.processor()},
                "shape": dataclasses.asdict(shape), "cap_gib": args.cap_gib,
                "budget": args.budget, "lora": args.lora, "host_format": args.host_format,
-               "throughput": []}
+               "profile": dataclasses.asdict(_profile(cuda)), "throughput": []}
     runs: dict[str, dict | str] = {}
     if args.reference_losses is not None:
         saved = json.loads(args.reference_losses.read_text())

@@ -21,6 +21,8 @@ US = 1e6
 MS = 1e3
 """Milliseconds per second."""
 KIB, MIB, GIB, TIB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+GB = 1e9
+"""Bytes per decimal gigabyte: link and host rates are quoted in GB/s."""
 
 
 class Lane(str, enum.Enum):

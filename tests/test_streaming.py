@@ -981,6 +981,42 @@ def test_a_step_of_fewer_backwards_than_learned_steps_with_the_device_sums():
         torch.testing.assert_close(param.detach(), want.detach())
 
 
+class _PlainSGD(torch.optim.Optimizer):
+    """An optimizer storm does not know, so it never steps it during a backward."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad, alpha=-group["lr"])
+
+
+def test_gradients_are_summed_on_the_device_under_an_optimizer_storm_does_not_know():
+    """The count of backwards a step has is learned whatever the optimizer; from the third step
+    a micro-batch but the last leaves its gradients on the device."""
+    reference, model, batch = _pair()
+    budget = asking(_budget_with_room(1 << 30))
+    runs = [(net, _PlainSGD(net.parameters(), lr=1e-2), torch.compile(net, backend=backend))
+            for net, backend in ((reference, storm(**CPU_TEST_OPTIONS)),
+                                 (model, storm(**{**CPU_TEST_OPTIONS, "offload": "hidden",
+                                                  "memory_budget": budget})))]
+    for step in range(4):
+        for micro_batch in range(MICRO_BATCHES):
+            for net, _, run in runs:
+                run(*batch).backward()
+            if step == 3 and micro_batch == 0:
+                assert all(g is None for g in _stored_grads(model)), "not summed on the device"
+        for _, optimizer, _ in runs:
+            optimizer.step()
+            optimizer.zero_grad()
+    for param, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), want.detach())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("way", ["overlapped-optimizer", "resident-weights", "deferred",
                                  "deferred-overlapped", "plain-loop"])

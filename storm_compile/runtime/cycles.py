@@ -239,11 +239,13 @@ class Cycles:
     def observe(self, optimizer: torch.optim.Optimizer, streamed: list[torch.Tensor],
                 backwards: int) -> Cycle | None:
         """``optimizer``, which steps ``streamed`` (its streamed parameters), is about to step
-        after ``backwards`` backwards; its cycle, or None when it steps none or storm does not
-        know how it steps."""
-        if not streamed or not isinstance(optimizer, OVERLAPPABLE):
+        after ``backwards`` backwards; its cycle, or None when it steps none. An optimizer storm
+        cannot step one parameter at a time (not :data:`OVERLAPPABLE`) gets a cycle that never
+        overlaps: its count alone serves (:meth:`Cycle.last_backward`)."""
+        if not streamed:
             return None
-        cycle = self._cycles.setdefault(optimizer, Cycle())
+        cycle = self._cycles.setdefault(optimizer,
+                                        Cycle(enabled=isinstance(optimizer, OVERLAPPABLE)))
         self._own(optimizer, streamed)
         cycle.observe(backwards)
         return cycle

@@ -39,6 +39,20 @@ def test_matmul_flops_and_compute_bound_time():
     assert CostModel(TEST).compute_seconds(node) == pytest.approx(2 * 256 * 512 * 1024 / 1e12)
 
 
+def test_a_node_is_priced_anew_when_an_input_changes_its_value():
+    """The description kept on a node serves while its values are the same objects: a node
+    whose input now holds another value is described, and priced, again."""
+    node = _node(torch.mm, (256, 512), (512, 1024))
+    cost = CostModel(TEST)
+    first = cost.compute_seconds(node)
+    left = node.args[0]
+    wider = left.meta["val"].new_empty((512, 512))
+    left.meta["val"] = wider
+    node.meta["val"] = node.meta["val"].new_empty((512, 1024))
+    assert CostModel(TEST).compute_seconds(node) == pytest.approx(2 * first)
+    assert cost.compute_seconds(node) == pytest.approx(2 * first)
+
+
 def test_half_precision_uses_the_matmul_rate():
     node = _node(torch.mm, (256, 512), (512, 1024), dtype=torch.bfloat16)
     fast = dataclasses.replace(TEST, matmul_flops=4e12)

@@ -338,6 +338,9 @@ class MeasuredCosts:
         return start.elapsed_time(end) / MS
 
 
+DESCRIBED_KEY = "storm_described"
+"""``node.meta`` key of a node's :meth:`CostModel.describe` and the values it describes."""
+
 DEVICE_ADD_TRAFFIC = 3
 """An in-place addition reads both operands and writes one of them."""
 
@@ -380,7 +383,21 @@ class CostModel:
                 tuple(describe(v) for v in leaves(node.meta.get("val"))))
 
     def _key(self, node: fx.Node) -> tuple:
-        return (*self.describe(node), self._traffic(node), materialized(node))
+        return (*self._described(node), self._traffic(node), materialized(node))
+
+    def _described(self, node: fx.Node) -> tuple:
+        """:meth:`describe` of ``node``, kept in its ``meta`` with the values it was made from
+        (its own and its inputs'). A copy of a graph shares its nodes' values, and the planner
+        prices every copy of the split it searches over; a value that changed, or an input
+        replaced by another value, describes the node anew."""
+        values = (node.meta.get("val"), *(a.meta.get("val") for a in node.all_input_nodes))
+        kept = node.meta.get(DESCRIBED_KEY)
+        if kept is not None and len(kept[0]) == len(values) \
+                and all(a is b for a, b in zip(kept[0], values)):
+            return kept[1]
+        described = self.describe(node)
+        node.meta[DESCRIBED_KEY] = (values, described)
+        return described
 
     def compute_seconds(self, node: fx.Node) -> float:
         """Seconds ``node`` keeps the compute stream busy (0 for views and graph plumbing). Left

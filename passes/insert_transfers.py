@@ -110,7 +110,12 @@ from storm_compile.fx.graphs import (
 )
 from storm_compile.fx.plan import Action, GradSend, WeightFetch
 from storm_compile.fx.torch_private import tree_leaves
-from storm_compile.fx.vocabulary import node_order, view_chain, view_closure
+from storm_compile.fx.vocabulary import (
+    node_order,
+    sums_on_device,
+    view_chain,
+    view_closure,
+)
 from storm_compile.runtime import ops
 
 aten = torch.ops.aten
@@ -287,14 +292,10 @@ def _give_weights(backward: fx.Graph, summed: set[str]) -> int:
         send, weight = accumulate.args
         while send.target is not ops.send_grad:
             send = send.args[0]
-        if weight.name in summed and len(send.args) == len(SEND_ARGS):
+        if weight.name in summed and not sums_on_device(send):
             send.args = (*send.args, weight)
             given += 1
     return given
-
-
-SEND_ARGS = ("grad", "host_limit")
-"""``storm.send_grad``'s arguments without the weight of a gradient summed on the device."""
 
 
 def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:

@@ -934,16 +934,22 @@ def _stored_grads(model) -> list:
     return [torch.Tensor.grad.__get__(p) for p in streamed(model)]
 
 
-def test_a_read_between_micro_batches_sends_the_device_sum_home_first():
-    reference, model, batch = _pair()
-    _, backward = _summing(model, batch, micro_batches=3)
-    backward()
-    assert all(g is None for g in _stored_grads(model)), "the first micro-batch stayed there"
+def _assert_grads_of_one_backward(reference, model, batch) -> None:
+    """The streamed parameters' ``.grad`` are the unstreamed ``reference``'s after one backward
+    of ``batch``."""
     reference(*batch).backward()
     expected = {n: p.grad for n, p in reference.named_parameters()}
     for name, param in model.named_parameters():
         if getattr(param, "storm_streamed", False):
             torch.testing.assert_close(param.grad, expected[unstreamed_name(name)])
+
+
+def test_a_read_between_micro_batches_sends_the_device_sum_home_first():
+    reference, model, batch = _pair()
+    _, backward = _summing(model, batch, micro_batches=3)
+    backward()
+    assert all(g is None for g in _stored_grads(model)), "the first micro-batch stayed there"
+    _assert_grads_of_one_backward(reference, model, batch)
 
 
 def test_a_gradient_set_to_none_between_micro_batches_drops_its_device_sum():
@@ -953,11 +959,7 @@ def test_a_gradient_set_to_none_between_micro_batches_drops_its_device_sum():
     for param in streamed(model):
         param.grad = None
     backward()                                   # the step's last: sends what it holds
-    reference(*batch).backward()
-    expected = {n: p.grad for n, p in reference.named_parameters()}
-    for name, param in model.named_parameters():
-        if getattr(param, "storm_streamed", False):
-            torch.testing.assert_close(param.grad, expected[unstreamed_name(name)])
+    _assert_grads_of_one_backward(reference, model, batch)
 
 
 def test_a_step_of_fewer_backwards_than_learned_steps_with_the_device_sums():

@@ -20,9 +20,9 @@ weight's ``.grad``; so does the sum of a weight whose gradients are summed on th
 comes home once a step, and in the step's other micro-batches those gradients cost a device
 addition instead of a copy home and the host's work); with an overlapped optimizer it steps
 each streamed weight once the weight's gradients are all added, between additions while the
-next copy still moves, and after the last. ``wait_host`` holds the end of the backward until the host thread is done. The
-host is assumed to have launched the backward's kernels ahead of the GPU, so a step never waits
-for the launches to end.
+next copy still moves, and after the last. ``wait_host`` holds the end of the backward until the
+host thread is done. The host is assumed to have launched the backward's kernels ahead of the
+GPU, so a step never waits for the launches to end.
 :func:`predict_step` puts micro-batches and the optimizer together into one optimizer step.
 """
 
@@ -53,6 +53,7 @@ from storm_compile.fx.vocabulary import (
     Lane,
     is_compute,
     storage_owner,
+    sums_on_device,
     tensor_bytes,
 )
 from storm_compile.runtime import ops
@@ -137,12 +138,6 @@ def _copy_of(node: fx.Node) -> fx.Node:
     return node
 
 
-def _summed(send: fx.Node) -> bool:
-    """Whether ``send`` (a copy) is a gradient's ``storm.send_grad`` given its weight: summed on
-    the device across a step's backwards."""
-    return send.target is ops.send_grad and len(send.args) > 2
-
-
 def _storage_bytes(node: fx.Node) -> int:
     return tensor_bytes(node.meta.get("val"))
 
@@ -225,7 +220,7 @@ class _HostThread:
                 free = self._run(ready.popleft(), "step", free)
             weight = accumulate.args[1]
             first = self.first and weight not in self.kept
-            work = "keep" if first or _summed(_copy_of(accumulate)) else "add"
+            work = "keep" if first or sums_on_device(_copy_of(accumulate)) else "add"
             self.kept.add(weight)
             free = self._run(accumulate, work, max(free, arrives))
             adds_left[weight] -= 1
@@ -363,7 +358,7 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False,
     bw_live = baseline + sum(_storage_bytes(n) for n in visible) + sum(
         _storage_bytes(n) for n in on_device + copied)
     kept = {n for n in bw.graph.find_nodes(op="call_function", target=ops.send_grad)
-            if held and _summed(n)}
+            if held and sums_on_device(n)}
     backward = _walk(bw, "bw", cost, link, host, forward.end_s, bw_live, on_device + copied,
                      host_inputs, baseline, timings, channels_last, kept)
     copies = []

@@ -7,8 +7,9 @@ of first read, and ``insert_transfers`` ran: each streamed weight's gradient goe
 leaves above the plan's predicted device peak
 (:func:`~storm_compile.cost.simulate.device_bytes`, which counts the sums).
 Guarantees: in that order, each resident weight whose gradient goes home and whose gradient's
-bytes (the weight's) still fit in the room, and in what the step's other graphs leave
-(:meth:`StepView.left_bytes`), is ``summed`` (:class:`~storm_compile.fx.plan.ResidentWeight`),
+bytes (the weight's) still fit in the room, and in what the budget leaves beside the step's
+graphs (:meth:`StepView.left_bytes`; this graph's inputs on the device less its resident
+weights, which its ``share`` counts), is ``summed`` (:class:`~storm_compile.fx.plan.ResidentWeight`),
 and ``graphs.share.resident_bytes`` counts its sum: the sum stays on the device between
 backwards. With no room, or no resident weight, nothing changes; a second run finds the room
 taken (idempotent).
@@ -31,9 +32,9 @@ def plan_gradient_sums(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         return graphs
     sent = {n.args[1].name for n in graphs.backward.graph.find_nodes(
         op="call_function", target=ops.accumulate_grad)}
-    weights = device_weights(graphs.forward, ctx.prefetch_window_bytes)
-    room = min(ctx.others.left_bytes(budget - weights.resident_bytes, graphs.share),
-               ctx.resident_room)
+    kept = sum(w.nbytes for w in plan.resident)     # inputs of the graph, and in its share
+    inputs = device_weights(graphs.forward, ctx.prefetch_window_bytes).resident_bytes - kept
+    room = min(ctx.others.left_bytes(budget - inputs, graphs.share), ctx.resident_room)
     resident = list(plan.resident)
     for index, weight in enumerate(resident):
         if not weight.summed and weight.name in sent and weight.nbytes <= room:

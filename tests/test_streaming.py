@@ -22,18 +22,19 @@ from storm_compile.cli.report import summary
 from storm_compile.compiler import pipeline
 from storm_compile.compiler.backend import StormBackend
 from storm_compile.compiler.pipeline import run_passes
-from storm_compile.config import StormConfig
+from storm_compile.config import MemoryBudget, StormConfig
 from storm_compile.cost.calibrate import host_rates
 from storm_compile.cost.cost_model import CostModel
 from storm_compile.cost.profiles import PROFILES
 from storm_compile.cost.simulate import device_bytes, predict_step, simulate, stepped_weights
-from storm_compile.fx.graphs import PassContext, saved_values
+from storm_compile.fx.graphs import Limits, PassContext, StormGraphs, saved_values
 from storm_compile.fx.vocabulary import RECOMPUTE_TAG, storage_owner, tensor_bytes
 from storm_compile.passes import (
     StormBudgetError,
     StormVerificationError,
     insert_transfers,
     plan_gradient_sums,
+    plan_weights,
     refetch_weights,
     sum_tied_gradients,
     verify_graphs,
@@ -832,6 +833,23 @@ def test_more_room_keeps_more_weights_and_never_passes_the_budget():
     assert counts == sorted(counts) and counts[0] < counts[-1] == streamed
 
 
+def test_a_lower_activation_budget_leaves_the_room_for_weights_the_user_budget_gives():
+    """The search plans activations against a lower budget to trade them for weights kept on
+    the device (``Limits.budget_bytes``); ``plan_weights`` then keeps what the user's budget
+    leaves beside those activations, as without the lower budget: the room the activations
+    freed goes to weights, not back to the lower budget."""
+    final, config = _streamed_graphs(offload="hidden",
+                                     memory_budget=asking(_budget_with_room(1 << 30)))
+    ctx = PassContext(config, cost_model(), resident_room=1 << 30)
+    forward, backward = final.joint.split()
+    decided = pipeline.plan_storages(
+        StormGraphs(forward, backward, final.num_fwd_outputs, joint=final.joint), ctx)
+    lowered = dataclasses.replace(ctx, limits=Limits(budget_bytes=decided.share.planned_bytes))
+    kept = plan_weights(decided, ctx).storages.resident
+    assert kept, "the user's budget has room for weights"
+    assert plan_weights(decided, lowered).storages.resident == kept
+
+
 def test_resident_weights_rewrite_is_idempotent():
     options = {"offload": "hidden", "memory_budget": asking(_budget_with_room(1 << 30))}
     graphs, config = _streamed_graphs(**options)
@@ -869,6 +887,26 @@ def test_room_left_by_resident_weights_sums_their_gradients_on_the_device():
     assert row["summed_gradient_bytes"] == sum(w.nbytes for w in resident)
     assert row["device_bytes"] == device_bytes(graphs, prediction)
     assert graphs.share.resident_bytes == 2 * row["summed_gradient_bytes"]
+
+
+def test_room_for_sums_counts_a_resident_weight_once():
+    """A weight kept on the device is an input of the rewritten graph and part of its share of
+    the step: a budget with room for every kept weight and its sum, once each, sums them all."""
+    graphs, config = _streamed_graphs(offload="hidden",
+                                      memory_budget=asking(_budget_with_room(1 << 30)))
+    resident = graphs.storages.resident
+    assert resident and all(w.summed for w in resident)
+    kept = sum(w.nbytes for w in resident)
+    unsummed = dataclasses.replace(
+        graphs, share=dataclasses.replace(graphs.share, resident_bytes=kept),
+        storages=dataclasses.replace(graphs.storages, resident=tuple(
+            dataclasses.replace(w, summed=False) for w in resident)))
+    inputs = streaming.device_weights(graphs.forward, config.prefetch_window_bytes)
+    exact = inputs.resident_bytes + graphs.share.planned_bytes + kept
+    ctx = PassContext(dataclasses.replace(config, memory_budget=MemoryBudget(nbytes=exact,
+                                                                             margin=0.0)),
+                      cost_model(), resident_room=1 << 30)
+    assert all(w.summed for w in plan_gradient_sums(unsummed, ctx).storages.resident)
 
 
 def test_planning_gradient_sums_again_or_with_nothing_kept_changes_nothing():

@@ -9,10 +9,10 @@ leaves above the plan's predicted device peak
 Guarantees: in that order, each resident weight whose gradient goes home and whose gradient's
 bytes (the weight's) still fit in the room, and in what the budget leaves beside the step's
 graphs (:meth:`StepView.left_bytes`; this graph's inputs on the device less its resident
-weights, which its ``share`` counts), is ``summed`` (:class:`~storm_compile.fx.plan.ResidentWeight`),
-and ``graphs.share.resident_bytes`` counts its sum: the sum stays on the device between
-backwards. With no room, or no resident weight, nothing changes; a second run finds the room
-taken (idempotent).
+weights, which its ``share`` counts), is ``summed``
+(:class:`~storm_compile.fx.plan.ResidentWeight`), and ``graphs.share.resident_bytes`` counts its
+sum: the sum stays on the device between backwards. With no room, or no resident weight, nothing
+changes; a second run finds the room taken (idempotent).
 Emits: no nodes; ``insert_transfers``, run again, gives the send of each summed weight's gradient
 its weight.
 """

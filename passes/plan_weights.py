@@ -8,14 +8,15 @@ plan, placed and rewritten, and plans again with it).
 Guarantees: ``graphs.storages.resident`` lists the streamed weights kept on the device, chosen
 only under a byte ``memory_budget``, in the forward's order of first read (the earliest copies
 have the least compute before them to hide under, and the first of all, an embedding's, none),
-each one that still fits in the smaller of ``ctx.resident_room`` and what the user's budget
-(as storm plans it, :attr:`MemoryBudget.planned`) leaves once the step's planned activations and
+each one that still fits in the smaller of ``ctx.resident_room`` and what the user's budget (as
+storm plans it, :attr:`MemoryBudget.planned`) leaves once the step's planned activations and
 resident weights, and this graph's resident inputs, are paid (:meth:`StepView.left_bytes`, with
 ``graphs.share``). The search's lower budget (``Limits.budget_bytes``) aims the activations
-alone: a plan that trades activations for weights kept gets the room its activations freed. A weight kept on the device is held
-there once, and cloned while a graph reads it. A resident weight is copied once per optimizer
-step instead of twice per micro-batch. With no room nothing changes; a second run finds no ``fetch_weight`` left
-of a resident weight and changes nothing (idempotent).
+alone: a plan that trades activations for weights kept gets the room its activations freed. A
+weight kept on the device is held there once, and cloned while a graph reads it. A resident
+weight is copied once per optimizer step instead of twice per micro-batch. With no room nothing
+changes; a second run finds no ``fetch_weight`` left of a resident weight and changes nothing
+(idempotent).
 Emits: no nodes; ``insert_transfers`` reads the list, and ``graphs.share`` holds the bytes.
 """
 

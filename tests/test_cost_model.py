@@ -206,6 +206,26 @@ def test_an_nf4_weight_is_rebuilt_in_one_kernel_that_writes_only_the_weight():
     assert torch.bfloat16 in written
 
 
+def test_a_cross_entropy_gathers_its_log_probabilities_without_writing_them():
+    """A loss's log-softmax read only by the gather of the targets' log-probabilities is
+    computed at the gathered indices: Inductor writes neither the float32 logits nor the
+    float32 log-probabilities of the whole vocabulary, only the logits' maximum and log-sum."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def loss(logits, targets):
+        shifted = logits.float() - logits.float().amax(-1, keepdim=True)
+        log_probs = shifted - shifted.exp().sum(-1, keepdim=True).log()
+        return -log_probs.gather(-1, targets.unsqueeze(-1)).mean()
+
+    with FakeTensorMode():
+        gm = make_fx(loss)(torch.empty(8, 512, dtype=torch.bfloat16),
+                           torch.empty(8, dtype=torch.int64))
+    written = [n for n in realized_values(gm.graph)
+               if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() >= 512 * 8]
+    assert written == []
+
+
 def _traced(fn, *shapes, dtype=torch.float32):
     """``fn`` traced with fake inputs of ``shapes``."""
     from torch._subclasses.fake_tensor import FakeTensorMode

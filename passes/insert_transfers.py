@@ -130,10 +130,12 @@ instead of 0.17-0.19 s on the streamed 3B, `storm schedule ... --timings` on a 2
 
 
 def _fake_call(target, args: Sequence[object], kwargs: dict[str, object]) -> torch.Tensor:
+    """``target``'s value on the values of ``args`` and ``kwargs``, under their fake mode; a
+    storm op's own fake implementation is called directly (``ops.FAKE_IMPLS``)."""
     fake_args, fake_kwargs = fx.node.map_arg((tuple(args), kwargs), lambda a: a.meta["val"])
     fake_mode = next(a.fake_mode for a in tree_leaves(fake_args) if hasattr(a, "fake_mode"))
     with fake_mode:
-        return target(*fake_args, **fake_kwargs)
+        return ops.FAKE_IMPLS.get(target, target)(*fake_args, **fake_kwargs)
 
 
 def _emit(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) -> fx.Node:

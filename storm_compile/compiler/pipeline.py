@@ -329,11 +329,13 @@ def _summed(candidate: _Candidate, user: PassContext, room: int) -> _Candidate:
     micro-batch and 19 % slower at four than the plan chosen on two."""
     graphs = _run(plan_gradient_sums, candidate.graphs,
                   dataclasses.replace(user, resident_room=room - candidate.peak))
+    if graphs is candidate.graphs:                  # no sum: its last micro-batch is its step
+        held = simulate(graphs, user.cost, held=True).step_s
+        return dataclasses.replace(candidate, step_s=held + candidate.step_s)
     peak = candidate.peak + graphs.share.resident_bytes - candidate.graphs.share.resident_bytes
-    if graphs is not candidate.graphs:
-        graphs = _run(insert_transfers, graphs, user)
-    held = simulate(graphs, user.cost, held=True)
-    return _Candidate(held.step_s + simulate(graphs, user.cost).step_s, graphs, peak)
+    graphs = _run(insert_transfers, graphs, user)
+    held = simulate(graphs, user.cost, held=True).step_s
+    return _Candidate(held + simulate(graphs, user.cost).step_s, graphs, peak)
 
 
 @dataclasses.dataclass(frozen=True)

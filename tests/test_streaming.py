@@ -850,6 +850,28 @@ def test_a_lower_activation_budget_leaves_the_room_for_weights_the_user_budget_g
     assert plan_weights(decided, lowered).storages.resident == kept
 
 
+def test_the_search_keeps_the_plan_fastest_over_two_micro_batches_with_its_sums(monkeypatch):
+    """Every plan the search tries for a streamed graph under a byte budget gets its gradient
+    sums, and the search keeps the one whose predicted step of two micro-batches (one that
+    holds its sums on the device, and the last) is the fastest."""
+    tried = []
+    original = pipeline._summed
+
+    def summed(candidate, user, room):
+        tried.append(original(candidate, user, room))
+        return tried[-1]
+
+    monkeypatch.setattr(pipeline, "_summed", summed)
+    graphs, _ = _streamed_graphs(offload="hidden",
+                                 memory_budget=asking(_budget_with_room(1 << 18)))
+    assert len(tried) > 1
+    fastest = min(tried, key=lambda plan: plan.step_s)
+    assert graphs.forward is fastest.graphs.forward
+    cost = cost_model()
+    two = simulate(graphs, cost, held=True).step_s + simulate(graphs, cost).step_s
+    assert two == pytest.approx(fastest.step_s)
+
+
 def test_resident_weights_rewrite_is_idempotent():
     options = {"offload": "hidden", "memory_budget": asking(_budget_with_room(1 << 30))}
     graphs, config = _streamed_graphs(**options)

@@ -325,8 +325,8 @@ def _summed(candidate: _Candidate, user: PassContext, room: int) -> _Candidate:
     their gradients' sums speeds every one but the last, often by more: for the 3B Llama preset
     under a 14 GiB budget (``storm throughput llama --preset 3b --stream --memory-budget 14GiB
     --tokens 4096 --micro-batches 1,4 --overlap-optimizer --profile h100``), the plan fastest at
-    one micro-batch keeps every weight and sums few; it is predicted 3.5 % faster at one
-    micro-batch and 19 % slower at four than the plan chosen on two."""
+    one micro-batch keeps every weight and sums few; it is predicted 4 % faster at one
+    micro-batch and 17 % slower at four than the plan chosen on two."""
     graphs = _run(plan_gradient_sums, candidate.graphs,
                   dataclasses.replace(user, resident_room=room - candidate.peak))
     if graphs is candidate.graphs:                  # no sum: its last micro-batch is its step

@@ -330,12 +330,12 @@ def _summed(candidate: _Candidate, user: PassContext, room: int) -> _Candidate:
     graphs = _run(plan_gradient_sums, candidate.graphs,
                   dataclasses.replace(user, resident_room=room - candidate.peak))
     if graphs is candidate.graphs:                  # no sum: its last micro-batch is its step
-        held = simulate(graphs, user.cost, held=True).step_s
-        return dataclasses.replace(candidate, step_s=held + candidate.step_s)
-    peak = candidate.peak + graphs.share.resident_bytes - candidate.graphs.share.resident_bytes
-    graphs = _run(insert_transfers, graphs, user)
-    held = simulate(graphs, user.cost, held=True).step_s
-    return _Candidate(held + simulate(graphs, user.cost).step_s, graphs, peak)
+        last_s, peak = candidate.step_s, candidate.peak
+    else:
+        peak = candidate.peak + graphs.share.resident_bytes - candidate.graphs.share.resident_bytes
+        graphs = _run(insert_transfers, graphs, user)
+        last_s = simulate(graphs, user.cost).step_s
+    return _Candidate(simulate(graphs, user.cost, held=True).step_s + last_s, graphs, peak)
 
 
 @dataclasses.dataclass(frozen=True)

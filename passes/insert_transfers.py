@@ -69,7 +69,7 @@ and each ``w_dev = storm.fetch_weight(w, device)`` of a weight in
 and each ``storm.grad_to_host(g, w)`` of the backward (``graphs.storages.sends``) becomes::
 
     issue_after(...)                                  # g's producer or a later node
-    g_host       = storm.send_grad(g, host_limit)
+    g_host       = storm.send_grad(g, host_limit, w)
     g_host_ready = storm.record_event(g_host)
     ...
     wait_after(...)
@@ -82,15 +82,15 @@ and each ``storm.grad_to_host(g, w)`` of the backward (``graphs.storages.sends``
     return (...)
 
 The send of the gradient of a weight whose gradients are summed on the device
-(``ResidentWeight.summed``) is given the weight, here or in a later run::
+(``ResidentWeight.summed``) is given ``summed``, here or in a later run::
 
-    g_host       = storm.send_grad(g, host_limit, w)
+    g_host       = storm.send_grad(g, host_limit, w, True)
 
 ``meta["val"]`` of every new node, and of ``h1..hk``, comes from the ops' fake implementations;
 the replayed views have the strides the backward was traced with.
 Idempotent: a second run finds the offloaded storages no longer saved (the forward returns
 their ``wait_event`` instead), no ``fetch_weight`` or ``grad_to_host`` left and every summed
-weight's send given its weight, and changes nothing.
+weight's send given ``summed``, and changes nothing.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ from storm_compile.fx.graphs import (
 from storm_compile.fx.plan import Action, GradSend, WeightFetch
 from storm_compile.fx.torch_private import tree_leaves
 from storm_compile.fx.vocabulary import (
+    SUMMED_ARG,
     node_order,
     sums_on_device,
     view_chain,
@@ -274,7 +275,7 @@ def _send_home(graph: fx.Graph, send: GradSend, ctx: PassContext) -> fx.Node:
     node = send.node
     grad, weight = node.args
     with graph.inserting_after(send.issue_after):
-        host = _emit(graph, ops.send_grad, (grad, ctx.config.host_memory_limit))
+        host = _emit(graph, ops.send_grad, (grad, ctx.config.host_memory_limit, weight))
     with graph.inserting_after(host):
         ready = _emit(graph, ops.record_event, (host,))
     after = ready if send.wait_after is send.issue_after else send.wait_after
@@ -287,15 +288,15 @@ def _send_home(graph: fx.Graph, send: GradSend, ctx: PassContext) -> fx.Node:
 
 
 def _give_weights(backward: fx.Graph, summed: set[str]) -> int:
-    """Give the ``storm.send_grad`` of each gradient of a weight named in ``summed`` the weight,
-    where it does not have it; how many it gave."""
+    """Give the ``storm.send_grad`` of each gradient of a weight named in ``summed`` its
+    ``summed``, where it does not have it; how many it gave."""
     given = 0
     for accumulate in backward.find_nodes(op="call_function", target=ops.accumulate_grad):
         send, weight = accumulate.args
         while send.target is not ops.send_grad:
             send = send.args[0]
         if weight.name in summed and not sums_on_device(send):
-            send.args = (*send.args, weight)
+            send.args = (*send.args[:SUMMED_ARG - 1], weight, True)
             given += 1
     return given
 

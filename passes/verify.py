@@ -12,9 +12,9 @@ On the partitioned pair (:func:`verify_graphs`), on top of ``fx.Graph.lint``:
     the wait's result only leaves the forward as a saved value;
   * ``prefetch`` of a graph input read by nothing but its prefetches and their waits
     (keepalive), and, in the forward, the output (a streamed weight saved for the backward's
-    own fetch), in the backward an ``accumulate_grad`` (which adds into the weight's
-    ``.grad``, not its data): in the backward a saved activation's host copy or a streamed
-    weight, in the forward a streamed weight;
+    own fetch), in the backward a ``send_grad`` or an ``accumulate_grad`` (which add into the
+    weight's ``.grad``, not its data): in the backward a saved activation's host copy or a
+    streamed weight, in the forward a streamed weight;
   * ``resident_weight`` reads a graph input (a streamed weight);
   * ``send_grad`` only in the backward, its wait keeping the gradient alive and read only by
     one ``accumulate_grad``, whose token is read only by the graph's one ``wait_host``, the
@@ -110,9 +110,9 @@ def _check_backward(graphs: StormGraphs) -> None:
     graph = graphs.backward.graph
     for node in graph.find_nodes(op="call_function", target=ops.offload):
         _fail("backward", node, "offload belongs in the forward")
-    _check_prefetches("backward", graph, set(graph.find_nodes(op="call_function",
-                                                               target=ops.accumulate_grad)))
     sends = graph.find_nodes(op="call_function", target=ops.send_grad)
+    _check_prefetches("backward", graph, {*sends, *graph.find_nodes(
+        op="call_function", target=ops.accumulate_grad)})
     barriers = graph.find_nodes(op="call_function", target=ops.wait_host)
     if len(barriers) > 1 or (sends and not barriers):
         _fail("backward", barriers[-1] if barriers else output_node(graphs.backward),

@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 
+from storm_compile.runtime.streams import get_runtime  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
@@ -18,6 +20,21 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+FOLD_TEST_CHUNK_BYTES = 1024
+"""Four rows of the tiny Llama's matrices (64 float32 columns): each gradient a step's last
+backward folds into its host sum goes in several chunks, through both fold buffers."""
+
+
+@pytest.fixture
+def small_fold_chunks():
+    """Gradients folded on the device in chunks of :data:`FOLD_TEST_CHUNK_BYTES`."""
+    runtime = get_runtime()
+    chunk = runtime.fold_chunk_bytes
+    runtime.fold_chunk_bytes = FOLD_TEST_CHUNK_BYTES
+    yield
+    runtime.fold_chunk_bytes = chunk
 
 
 MULTI_GPU = 2

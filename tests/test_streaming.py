@@ -28,7 +28,13 @@ from storm_compile.cost.cost_model import CostModel
 from storm_compile.cost.profiles import PROFILES
 from storm_compile.cost.simulate import device_bytes, predict_step, simulate, stepped_weights
 from storm_compile.fx.graphs import Limits, PassContext, StormGraphs, saved_values
-from storm_compile.fx.vocabulary import RECOMPUTE_TAG, storage_owner, tensor_bytes
+from storm_compile.fx.vocabulary import (
+    RECOMPUTE_TAG,
+    Lane,
+    storage_owner,
+    sums_on_device,
+    tensor_bytes,
+)
 from storm_compile.passes import (
     StormBudgetError,
     StormVerificationError,
@@ -418,17 +424,21 @@ def test_llama_parameter_count_matches_the_model():
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("small_fold_chunks")
 def test_streamed_training_on_the_gpu_matches_the_resident_model():
-    """Weights and AdamW on the host, copies on the GPU's streams: the same losses and weights
-    as the model trained on the GPU under torch.compile."""
+    """Weights and AdamW on the host, copies on the GPU's streams, the last backward of each
+    step learned folding its gradients into their host sums through the device in several
+    chunks: the same losses and weights as the model trained on the GPU under torch.compile."""
     torch.manual_seed(0)
     reference, batch = build_llama(SHAPE, device="cuda")
     model = copy.deepcopy(reference).cpu()
     stream_parameters(model, "cuda", resident_bytes=RESIDENT_BYTES)
     ref_losses, ref_params = _train(reference, batch, "inductor", lr=1e-3, fused=None,
                                     scheduled=False)
+    folds = get_runtime().folds
     losses, params = _train(model, batch, storm(min_offload_bytes=0), lr=1e-3, fused=None,
                             scheduled=False)
+    assert get_runtime().folds > folds
     assert losses == pytest.approx(ref_losses, rel=1e-4)
     for param, expected in zip(params, ref_params):
         torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-4)
@@ -868,7 +878,7 @@ def test_the_search_keeps_the_plan_fastest_over_two_micro_batches_with_its_sums(
     fastest = min(tried, key=lambda plan: plan.step_s)
     assert graphs.forward is fastest.graphs.forward
     cost = cost_model()
-    two = simulate(graphs, cost, held=True).step_s + simulate(graphs, cost).step_s
+    two = simulate(graphs, cost, held=True).step_s + simulate(graphs, cost, folded=True).step_s
     assert two == pytest.approx(fastest.step_s)
 
 
@@ -902,7 +912,7 @@ def test_room_left_by_resident_weights_sums_their_gradients_on_the_device():
     resident = graphs.storages.resident
     assert resident and all(w.summed for w in resident), "every gradient has room"
     sends = nodes(graphs.backward, ops.send_grad)
-    assert sends and all(len(n.args) == 3 and n.args[2].name in {w.name for w in resident}
+    assert sends and all(sums_on_device(n) and n.args[2].name in {w.name for w in resident}
                          for n in sends)
     prediction = simulate(graphs, cost_model())
     row = summary(graphs, prediction, "cpu-test")
@@ -954,7 +964,7 @@ def test_gradients_summed_on_the_device_are_sums_only_where_room_is_left():
     assert device_bytes(graphs, simulate(graphs, cost_model())) <= budget
     summed = {w.name for w in resident if w.summed}
     assert {n.args[2].name for n in nodes(graphs.backward, ops.send_grad)
-            if len(n.args) == 3} == summed
+            if sums_on_device(n)} == summed
 
 
 def test_a_held_micro_batch_sends_no_summed_gradient_home():
@@ -1216,7 +1226,8 @@ def test_predicted_optimizer_step_puts_micro_batches_and_the_optimizer_together(
                                             + step.last_micro_batch_s + step.optimizer_s)
     assert after.optimizer_s == pytest.approx(
         sum(tensor_bytes(w.meta["val"]) for w in weights) / 5e9)
-    assert after.last_micro_batch_s == after.micro_batch_s
+    assert after.last_micro_batch_s == pytest.approx(
+        simulate(graphs, cost, folded=True).step_s)
     assert during.optimizer_s == 0
     assert during.micro_batch_s <= during.last_micro_batch_s
     assert during.step_s <= after.step_s
@@ -1241,6 +1252,37 @@ def test_a_steps_first_gradients_cost_the_host_no_addition():
     assert during.step_s == pytest.approx(simulate(graphs, cost, steps=True, first=True).step_s)
     assert {h.work for h in simulate(graphs, cost, steps=True, first=True).host} == {
         "keep", "step"}
+
+
+def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_on_the_device():
+    """The last micro-batch of a step of several folds each gradient into its host sum on the
+    device: the sum comes in beside the gradient's copy home, and the host adds nothing; with
+    additions slower than the link the micro-batch ends sooner, and a step of several
+    micro-batches ends with that one."""
+    graphs, _ = _streamed_graphs()
+    cost = _host_rates(add=1e6)
+    added, folded = simulate(graphs, cost), simulate(graphs, cost, folded=True)
+    sends = nodes(graphs.backward, ops.send_grad)
+    assert {h.work for h in added.host} == {"add"}
+    assert {h.work for h in folded.host} == {"keep"}
+    assert all(h.end_s == h.start_s for h in folded.host)
+    assert folded.step_s < added.step_s
+
+    def moved(prediction, lane):
+        return sum(c.nbytes for c in prediction.copies if c.graph == "bw" and c.lane is lane)
+    assert moved(folded, Lane.H2D) == moved(added, Lane.H2D) + sum(
+        tensor_bytes(n.meta["val"]) for n in sends)
+    assert moved(folded, Lane.D2H) == moved(added, Lane.D2H)
+    copies = {c.node: c for c in folded.copies}
+    kept = {h.node: h for h in folded.host}
+    for add in nodes(graphs.backward, ops.accumulate_grad):
+        send = _send_of(add).name
+        assert kept[add.name].start_s >= max(copies[send].end_s,
+                                             copies[f"{send}.fold_in"].end_s)
+    step = predict_step(graphs, cost, 2, overlapped=False)
+    assert step.last_micro_batch_s == pytest.approx(folded.step_s)
+    assert predict_step(graphs, cost, 1, overlapped=False).last_micro_batch_s == pytest.approx(
+        simulate(graphs, cost, first=True).step_s)
 
 
 @pytest.mark.parametrize("add_rate", [1e10, 1e6], ids=["host-keeps-up", "host-bound"])

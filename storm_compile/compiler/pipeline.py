@@ -315,10 +315,11 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
 
 def _summed(candidate: _Candidate, user: PassContext, room: int) -> _Candidate:
     """``candidate`` with the gradients of its resident weights summed on the device in the
-    room its peak leaves (``plan_gradient_sums``, then ``insert_transfers`` gives their sends
-    the weights; a sum holds the weight's bytes and changes nothing else of the plan), priced
+    room its peak leaves (``plan_gradient_sums``, then ``insert_transfers`` marks their sends
+    ``summed``; a sum holds the weight's bytes and changes nothing else of the plan), priced
     for a step of two micro-batches: one that holds its gradients' sums on the device, and the
-    last, which sends the gradients home.
+    last, which sends the sums home and folds the other gradients into their host sums on the
+    device.
 
     A graph compiles at the loop's first forward, before any step says how many backwards it
     takes. Room spent on weights kept on the device speeds every micro-batch; room spent on
@@ -329,12 +330,11 @@ def _summed(candidate: _Candidate, user: PassContext, room: int) -> _Candidate:
     micro-batch and 17 % slower at four than the plan chosen on two."""
     graphs = _run(plan_gradient_sums, candidate.graphs,
                   dataclasses.replace(user, resident_room=room - candidate.peak))
-    if graphs is candidate.graphs:                  # no sum: its last micro-batch is its step
-        last_s, peak = candidate.step_s, candidate.peak
-    else:
-        peak = candidate.peak + graphs.share.resident_bytes - candidate.graphs.share.resident_bytes
+    peak = candidate.peak
+    if graphs is not candidate.graphs:
+        peak += graphs.share.resident_bytes - candidate.graphs.share.resident_bytes
         graphs = _run(insert_transfers, graphs, user)
-        last_s = simulate(graphs, user.cost).step_s
+    last_s = simulate(graphs, user.cost, folded=True).step_s
     return _Candidate(simulate(graphs, user.cost, held=True).step_s + last_s, graphs, peak)
 
 

@@ -57,6 +57,7 @@ from storm_compile.fx.vocabulary import (
     tensor_bytes,
 )
 from storm_compile.runtime import ops
+from storm_compile.runtime.streams import fold_device_bytes
 
 TRANSFER_DIRECTIONS = 2
 """A profile's ``transfer_host_s`` covers both directions; each half delays the compute lane
@@ -65,6 +66,9 @@ when its copy is issued (the host is busy with the ops instead of launching kern
 
 CHANNELS_LAST_DIMS = 4
 """The tensors Inductor copies into channels-last order for a 2-D convolution: (N, C, H, W)."""
+
+FOLD_IN = "fold_in"
+"""Tags the copy in of the host sum a folded ``storm.send_grad`` adds its gradient into."""
 
 COPY_DONE_S = 1e-15
 """Latency left below which a copy's latency counts as paid (float round-off of the steps)."""
@@ -76,7 +80,8 @@ COPY_DONE_BYTES = 1e-6
 class _Copy:
     """One queued copy: its latency, then its bytes, counted down as the link advances."""
 
-    node: fx.Node
+    node: fx.Node | tuple
+    """The copy, or ``(send, FOLD_IN)``: the copy in of a folded send's host sum."""
     ready_s: float
     latency_left_s: float
     bytes_left: float
@@ -93,15 +98,22 @@ class _Link:
                                                              Lane.H2D: collections.deque()}
         self.started: dict[fx.Node, float] = {}
         self.done: dict[fx.Node, float] = {}
+        self.after: dict[fx.Node, tuple] = {}
+        """A copy that is done only once another is too."""
 
-    def enqueue(self, copy: fx.Node, lane: Lane, nbytes: int, ready: float) -> None:
+    def enqueue(self, copy: fx.Node | tuple, lane: Lane, nbytes: int, ready: float,
+                after: tuple | None = None) -> None:
         self.queues[lane].append(_Copy(copy, ready, self.cost.profile.copy_latency_s,
                                        float(nbytes)))
+        if after is not None:
+            self.after[copy] = after
 
-    def finish_time(self, copy: fx.Node) -> float:
+    def finish_time(self, copy: fx.Node | tuple) -> float:
         while copy not in self.done:
             self._advance()
-        return self.done[copy]
+        after = self.after.get(copy)
+        return self.done[copy] if after is None else max(self.done[copy],
+                                                         self.finish_time(after))
 
     def _advance(self) -> None:
         heads = {lane: q[0] for lane, q in self.queues.items() if q}
@@ -199,8 +211,11 @@ class _HostThread:
     ``first`` (a step's first micro-batch, every ``.grad`` None), each weight's first gradient
     kept as its ``.grad`` at no cost (``runtime.HostAdder``)."""
 
-    def __init__(self, cost: CostModel, name: str, steps: bool, first: bool) -> None:
+    def __init__(self, cost: CostModel, name: str, steps: bool, first: bool,
+                 folded: frozenset[fx.Node] = frozenset()) -> None:
         self.cost, self.name, self.steps, self.first = cost, name, steps, first
+        self.folded = folded
+        """The sends whose gradients are folded into their host sums on the device."""
         self.adds: list[fx.Node] = []
         self.timings: list[HostTiming] = []
         self.kept: set[fx.Node] = set()
@@ -220,7 +235,8 @@ class _HostThread:
                 free = self._run(ready.popleft(), "step", free)
             weight = accumulate.args[1]
             first = self.first and weight not in self.kept
-            work = "keep" if first or sums_on_device(_copy_of(accumulate)) else "add"
+            copy = _copy_of(accumulate)
+            work = "keep" if first or sums_on_device(copy) or copy in self.folded else "add"
             self.kept.add(weight)
             free = self._run(accumulate, work, max(free, arrives))
             adds_left[weight] -= 1
@@ -294,7 +310,10 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _Ho
             t += cost.device_add_seconds(_storage_bytes(node))
         elif node.target in COPY_LANES:
             lane = COPY_LANES[node.target]
-            link.enqueue(node, lane, _storage_bytes(node), t)
+            fold_in = (node, FOLD_IN) if node in host.folded else None
+            if fold_in is not None:
+                link.enqueue(fold_in, Lane.H2D, _storage_bytes(node), t)
+            link.enqueue(node, lane, _storage_bytes(node), t, after=fold_in)
             t += cost.profile.transfer_host_s / TRANSFER_DIRECTIONS
         elif node.target in (ops.wait_event, ops.wait_host):
             waited = node.args[0] if node.target is ops.wait_host else [node.args[0]]
@@ -327,16 +346,20 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _Ho
 
 
 def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False,
-             first: bool = False, held: bool = False) -> Prediction:
+             first: bool = False, held: bool = False, folded: bool = False) -> Prediction:
     """Predict step time, exposed transfer time, activation memory and peak of the pair; with
     ``steps``, the host thread also steps each streamed weight in the backward (an overlapped
     optimizer's last micro-batch); with ``first``, the pair is a step's first micro-batch,
     whose gradients the host keeps as ``.grad`` instead of adding them; with ``held``, a
     micro-batch of a step of several but its last, whose gradients summed on the device stay
-    there."""
+    there; with ``folded``, the last micro-batch of a step of several, whose gradients not
+    summed on the device are folded into their host sums there: each send copies the sum in
+    beside its copy home, and the host adds nothing."""
     fw, bw = graphs.forward, graphs.backward
     link = _Link(cost)
-    host = _HostThread(cost, "bw", steps, first)
+    folds = frozenset(n for n in bw.graph.find_nodes(op="call_function", target=ops.send_grad)
+                      if folded and not sums_on_device(n))
+    host = _HostThread(cost, "bw", steps, first, folds)
     timings: list[NodeTiming] = []
     inputs = set(fw.graph.find_nodes(op="placeholder"))
     baseline = sum(_storage_bytes(n) for n in inputs)
@@ -368,6 +391,10 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False,
                 if node in link.done:
                     copies.append(CopyTiming(name, node.name, lane, link.started[node],
                                              link.done[node], _storage_bytes(node)))
+                if (node, FOLD_IN) in link.done:
+                    copies.append(CopyTiming(name, f"{node.name}.{FOLD_IN}", Lane.H2D,
+                                             link.started[node, FOLD_IN],
+                                             link.done[node, FOLD_IN], _storage_bytes(node)))
     return Prediction(
         step_s=backward.end_s, forward_s=forward.end_s,
         exposed_transfer_s=forward.stall_s + backward.stall_s,
@@ -406,7 +433,7 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
     only = micro_batches == 1
     first = simulate(graphs, cost, steps=overlapped and only, first=True, held=not only)
     each = first if only else simulate(graphs, cost, held=True)
-    last = first if only else simulate(graphs, cost, steps=overlapped)
+    last = first if only else simulate(graphs, cost, steps=overlapped, folded=True)
     optimizer = 0.0 if overlapped else sum(
         cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
     opening, opening_wait = first.step_s, first.host_wait_s
@@ -431,11 +458,14 @@ def host_inputs(graphs: StormGraphs) -> set[fx.Node]:
 
 def device_bytes(graphs: StormGraphs, prediction: Prediction) -> int:
     """Device memory at the predicted peak: the forward's inputs that live on the device
-    (parameters left there, buffers, the batch, the kept copy of a resident streamed weight)
-    and the peak above them."""
+    (parameters left there, buffers, the batch, the kept copy of a resident streamed weight),
+    the buffers a backward that sends gradients home folds them through, and the peak above
+    them."""
     streamed = host_inputs(graphs)
     sums = sum(w.nbytes for w in graphs.storages.resident if w.summed) \
         if graphs.storages is not None else 0
-    return prediction.peak_bytes + sums + sum(
+    sends = graphs.backward.graph.find_nodes(op="call_function", target=ops.send_grad)
+    folding = fold_device_bytes(max(map(_storage_bytes, sends), default=0))
+    return prediction.peak_bytes + sums + folding + sum(
         tensor_bytes(n.meta.get("val")) for n in graphs.forward.graph.find_nodes(op="placeholder")
         if n not in streamed)

@@ -122,15 +122,15 @@ def is_transfer(node: fx.Node) -> bool:
 COPY_LANES = {ops.offload: Lane.D2H, ops.send_grad: Lane.D2H, ops.prefetch: Lane.H2D}
 """Storm's copy ops and the copy stream each runs on."""
 
-SEND_GRAD_ARGS = 2
-"""``storm.send_grad``'s arguments (the gradient, the host limit) before the weight it is given
-when its gradients are summed on the device."""
+SUMMED_ARG = 3
+"""Where ``storm.send_grad``'s ``summed`` is, after the gradient, the host limit and the weight."""
 
 
 def sums_on_device(node: fx.Node) -> bool:
-    """Whether ``node`` is a ``storm.send_grad`` given its weight: the gradients it sends are
+    """Whether ``node`` is a ``storm.send_grad`` given ``summed``: the gradients it sends are
     summed on the device across a step's backwards and go home once."""
-    return node.target is ops.send_grad and len(node.args) > SEND_GRAD_ARGS
+    return node.target is ops.send_grad and len(node.args) > SUMMED_ARG \
+        and bool(node.args[SUMMED_ARG])
 
 
 UNANNOTATED_VIEWS = (torch.ops.aten._unsafe_view.default,)

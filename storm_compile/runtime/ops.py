@@ -29,7 +29,8 @@ fetches become prefetches (above), and each gradient's copy home is sent on the 
 as the gradient is produced and added into ``w.grad`` by a host thread once the copy is done, while
 the GPU runs on::
 
-    h  = storm.send_grad(g, host_limit) # D2H stream waits on compute, copies g into a pinned buffer
+    h  = storm.send_grad(g, host_limit, w)  # D2H stream waits on compute, copies g into a
+                                            # pinned buffer
     h1 = storm.record_event(h)
     ...compute...
     h2 = storm.wait_event(h1, g)        # compute stream waits; g's last use, its memory is freed
@@ -45,12 +46,18 @@ across steps and copies again only when ``w`` may have changed (after any optimi
 when its version counter or data moved), cloned on the device for each read so that the
 compiled graph owns, and may reuse, the memory it reads.
 
+In the backward that :mod:`storm_compile.runtime.cycles` learned to be a step's last, a
+gradient whose weight's ``.grad`` already holds the step's earlier gradients in a pinned buffer
+is folded into it on the device instead: that ``.grad`` is copied in, ``g`` added, and the sum
+copied back into it, in chunks through two device buffers, and the host thread adds nothing
+(:meth:`~storm_compile.runtime.streams.TransferRuntime.send_grad`). The link carries the bytes
+twice where the host would have added them at a third of the link's rate, after the last
+kernel.
+
 Such a weight whose gradients have room on the device too (``ResidentWeight.summed``) sends
-each with the weight, ``storm.send_grad(g, host_limit, w)``: in a backward that is not its
-step's last, as :mod:`storm_compile.runtime.cycles` learned the loop, the runtime adds ``g`` into
-a sum on the device and returns a placeholder that the copy's event, wait and addition pass
-over; the step's last backward sends the sum home, once
-(:meth:`~storm_compile.runtime.streams.TransferRuntime.send_grad`).
+each with ``summed``, ``storm.send_grad(g, host_limit, w, True)``: in a backward that is not its
+step's last, the runtime adds ``g`` into a sum on the device and returns a placeholder that the
+copy's event, wait and addition pass over; the step's last backward sends the sum home, once.
 
 NOTE: the GPU memory of an offloaded tensor is released by ordinary reference counting (the
 wait is the tensor's last use, after which Inductor and FX drop it), not by ``record_stream``
@@ -142,7 +149,8 @@ def _wait_event_fake(x: torch.Tensor, keepalive: torch.Tensor | None = None) -> 
 _lib.define("fetch_weight(Tensor w, Device device) -> Tensor")
 _lib.define("resident_weight(Tensor w, Device device) -> Tensor")
 _lib.define("grad_to_host(Tensor grad, Tensor w) -> ()")
-_lib.define("send_grad(Tensor grad, int host_limit, Tensor? weight=None) -> Tensor")
+_lib.define("send_grad(Tensor grad, int host_limit, Tensor? weight=None, bool summed=False) "
+            "-> Tensor")
 _lib.define("accumulate_grad(Tensor(a) x, Tensor w) -> Tensor(a)")
 _lib.define("wait_host(Tensor[] tokens) -> ()")
 
@@ -194,16 +202,16 @@ def copy_home(grad: torch.Tensor, host_limit: int) -> torch.Tensor:
 
 
 @torch.library.impl(_lib, "send_grad", _COMPOSITE)
-def _send_grad(grad: torch.Tensor, host_limit: int,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
+def _send_grad(grad: torch.Tensor, host_limit: int, weight: torch.Tensor | None = None,
+               summed: bool = False) -> torch.Tensor:
     if weight is None:
         return copy_home(grad, host_limit)
-    return get_runtime().send_grad(grad, host_limit, weight, copy_home)
+    return get_runtime().send_grad(grad, host_limit, weight, copy_home, summed)
 
 
 @torch.library.register_fake("storm::send_grad")
-def _send_grad_fake(grad: torch.Tensor, host_limit: int,
-                    weight: torch.Tensor | None = None) -> torch.Tensor:
+def _send_grad_fake(grad: torch.Tensor, host_limit: int, weight: torch.Tensor | None = None,
+                    summed: bool = False) -> torch.Tensor:
     return torch.empty(grad.shape, dtype=grad.dtype, device="cpu")
 
 

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import CPU_TEST_OPTIONS, asking, cost_model, nodes, streamed, unstreamed_name
-from storm_compile import storm
+from storm_compile import StormOverlapError, storm
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
 from storm_compile.cli.report import summary
 from storm_compile.compiler import pipeline
@@ -47,7 +47,14 @@ from storm_compile.passes import (
 )
 from storm_compile.planner.step_budget import RunRoom, StepBudget
 from storm_compile.runtime import ops
-from storm_compile.runtime.streams import HostAdder, PinnedPool, bucket_bytes, get_runtime
+from storm_compile.runtime import streams
+from storm_compile.runtime.streams import (
+    HostAdder,
+    PinnedPool,
+    TransferRuntime,
+    bucket_bytes,
+    get_runtime,
+)
 from storm_compile.weights import streaming
 from storm_compile.weights.streaming import StormHostMemoryError, stream_parameters
 
@@ -683,6 +690,61 @@ def test_host_adder_steps_a_parameter_after_its_last_addition_and_the_join():
     assert first.grad is None and second.grad is None
 
 
+def test_host_adder_steps_a_parameter_whose_last_addition_is_known_before_the_join():
+    """An addition that says it is its parameter's last of the backward (``complete``) lets
+    the step run once it is done, while the backward is still being launched; another
+    parameter's step still waits for the join, and an addition for a parameter already stepped
+    is an error."""
+    adder = HostAdder()
+    known, unknown = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    seen = []
+
+    def step(param):
+        seen.append(param is known)
+
+    copies = [_Copy() for _ in range(3)]
+    adder.add(torch.ones(2), known, copies[0], step)
+    adder.add(torch.ones(2), unknown, copies[1], step)
+    adder.add(torch.ones(2), known, copies[2], step, complete=True)
+    for pending in copies:
+        pending.done.set()
+    time.sleep(WORKER_SETTLE_S)
+    assert seen == [True], "the known parameter's step ran before the join, the other's not"
+    torch.testing.assert_close(known.grad, torch.full((2,), 2.0))
+    with pytest.raises(StormOverlapError, match="another gradient .* after its optimizer"):
+        adder.add(torch.ones(2), known, None, step)
+    adder.join()
+    assert seen == [True, False]
+    adder.add(torch.ones(2), known, None, step, complete=True)    # a new backward: allowed
+    adder.join()
+    assert seen == [True, False, True]
+
+
+def test_a_gradient_counted_as_in_the_two_backwards_before_is_its_parameters_last(monkeypatch):
+    """The runtime counts each parameter's gradients and the copies launched from it in each
+    backward; once two backwards agree, the gradient that reaches both counts is its last of
+    the backward (its step may run then), a copy from a parameter the host thread stepped in
+    this backward is an error, and a weight kept on the device never steps early."""
+    monkeypatch.setattr(streams, "_current_backward", lambda: 1)
+    runtime = TransferRuntime()
+    weight, kept = torch.zeros(4), torch.zeros(4)
+    runtime.mirror(kept, torch.device("cpu"))
+    for backward in range(3):
+        for param in (weight, kept):
+            runtime._host_read(param)
+        assert runtime._complete(weight) == (backward == 2)
+        assert not runtime._complete(kept)
+        if backward < 2:
+            runtime._learn_counts()
+    runtime._step(lambda param: None, weight)
+    with pytest.raises(StormOverlapError, match="read a streamed weight .* after its optimizer"):
+        runtime._host_read(weight)
+    runtime._learn_counts()
+    runtime._host_read(weight)                   # the next backward may read it again
+    runtime._host_read(weight)
+    assert not runtime._complete(weight), "read more often than learned: not known complete"
+
+
 def test_deferred_backwards_leave_the_additions_to_the_block_end_or_the_optimizer_step():
     """In ``gradient_accumulation()`` the end of a backward (``wait_host``) does not wait for
     an addition whose copy is still in flight; the block's end does, and so does an optimizer
@@ -878,7 +940,8 @@ def test_the_search_keeps_the_plan_fastest_over_two_micro_batches_with_its_sums(
     fastest = min(tried, key=lambda plan: plan.step_s)
     assert graphs.forward is fastest.graphs.forward
     cost = cost_model()
-    two = simulate(graphs, cost, held=True).step_s + simulate(graphs, cost, folded=True).step_s
+    two = simulate(graphs, cost, held=True, folded=True).step_s \
+        + simulate(graphs, cost, folded=True).step_s
     assert two == pytest.approx(fastest.step_s)
 
 
@@ -1219,7 +1282,8 @@ def test_predicted_optimizer_step_puts_micro_batches_and_the_optimizer_together(
     after = predict_step(graphs, cost, 4, overlapped=False)
     during = predict_step(graphs, cost, 4, overlapped=True)
     for step in (after, during):
-        assert step.micro_batch_s == pytest.approx(simulate(graphs, cost).step_s)
+        assert step.micro_batch_s == pytest.approx(
+            simulate(graphs, cost, held=True, folded=True).step_s)
         assert step.first_micro_batch_s == pytest.approx(
             simulate(graphs, cost, first=True).step_s)
         assert step.step_s == pytest.approx(step.first_micro_batch_s + 2 * step.micro_batch_s
@@ -1254,11 +1318,10 @@ def test_a_steps_first_gradients_cost_the_host_no_addition():
         "keep", "step"}
 
 
-def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_on_the_device():
-    """The last micro-batch of a step of several folds each gradient into its host sum on the
-    device: the sum comes in beside the gradient's copy home, and the host adds nothing; with
-    additions slower than the link the micro-batch ends sooner, and a step of several
-    micro-batches ends with that one."""
+def test_micro_batches_after_a_steps_first_fold_their_gradients_into_their_host_sums():
+    """A micro-batch of a step of several but its first folds each gradient into its host sum
+    on the device: the sum comes in beside the gradient's copy home, and the host adds
+    nothing; with additions slower than the link the micro-batch ends sooner."""
     graphs, _ = _streamed_graphs()
     cost = _host_rates(add=1e6)
     added, folded = simulate(graphs, cost), simulate(graphs, cost, folded=True)
@@ -1279,27 +1342,27 @@ def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_on_the_d
         send = _send_of(add).name
         assert kept[add.name].start_s >= max(copies[send].end_s,
                                              copies[f"{send}.fold_in"].end_s)
-    step = predict_step(graphs, cost, 2, overlapped=False)
+    step = predict_step(graphs, cost, 3, overlapped=False)
     assert step.last_micro_batch_s == pytest.approx(folded.step_s)
+    assert step.micro_batch_s == pytest.approx(
+        simulate(graphs, cost, held=True, folded=True).step_s)
     assert predict_step(graphs, cost, 1, overlapped=False).last_micro_batch_s == pytest.approx(
         simulate(graphs, cost, first=True).step_s)
 
 
-@pytest.mark.parametrize("add_rate", [1e10, 1e6], ids=["host-keeps-up", "host-bound"])
-def test_accumulating_micro_batches_leave_their_additions_to_the_next(add_rate):
+def test_accumulating_micro_batches_wait_for_no_host_work_between_them():
+    """Under ``gradient_accumulation()`` a micro-batch but the last does not wait for the
+    host; the micro-batches after the first fold their gradients on the device, so the host has
+    no additions to defer, and each takes its forward and backward alone."""
     graphs, _ = _streamed_graphs()
-    cost = _host_rates(add=add_rate)
-    each = simulate(graphs, cost)
-    adding = sum(h.end_s - h.start_s for h in each.host if h.work == "add")
+    cost = _host_rates(add=1e6)
+    each = simulate(graphs, cost, held=True, folded=True)
     waiting = predict_step(graphs, cost, 4, overlapped=False)
     deferred = predict_step(graphs, cost, 4, overlapped=False, accumulating=True)
-    compute = each.step_s - each.host_wait_s
-    assert each.host_wait_s > 0
-    assert deferred.host_wait_s == 0
-    assert deferred.micro_batch_s == pytest.approx(max(compute, adding))
-    assert (adding > compute) == (add_rate == 1e6)
+    assert not [h for h in each.host if h.work == "add"]
+    assert deferred.host_wait_s == 0 and deferred.first_host_wait_s == 0
+    assert deferred.micro_batch_s == pytest.approx(each.step_s - each.host_wait_s)
     assert deferred.last_micro_batch_s == waiting.last_micro_batch_s
-    assert deferred.first_host_wait_s == 0
     assert deferred.host_s == pytest.approx(
         waiting.host_s - waiting.first_host_wait_s - 2 * each.host_wait_s)
     assert deferred.step_s <= waiting.step_s
@@ -1466,6 +1529,25 @@ def test_a_pooled_gradient_stays_as_grad_only_while_the_pool_has_room(pool, monk
     assert copied.grad.data_ptr() != second.data_ptr()
     torch.testing.assert_close(copied.grad, torch.full((3,), 2.0))
     torch.testing.assert_close(kept.grad, torch.ones(3))
+
+
+def test_idle_pool_buffers_count_as_room_for_a_gradient_kept_as_grad(pool, monkeypatch):
+    """A pool at its limit whose other buffers are idle still keeps a gradient in its buffer
+    as ``.grad``: the next micro-batch's copy reuses an idle buffer, or ``acquire`` lets one
+    go."""
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    adder = HostAdder(pool)
+    nbytes = 3 * 4
+    limit = 2 * bucket_bytes(nbytes)
+    held = pool.acquire(nbytes, limit)[:nbytes].view(torch.float32).fill_(1.0)
+    idle = pool.acquire(nbytes, limit)
+    assert idle.data_ptr() != held.data_ptr() and pool.reserved_bytes == limit
+    del idle
+    kept = torch.zeros(3, requires_grad=True)
+    adder.add(held, kept, None)
+    adder.join()
+    assert kept.grad.data_ptr() == held.data_ptr()
+    assert pool.acquire(nbytes, limit) is not None
 
 
 def test_a_reservation_stops_at_the_limit(pool):

@@ -13,7 +13,7 @@ gradients' host additions (any read of a streamed parameter's ``.grad`` waits fo
 once an optimizer has stepped :data:`STABLE_CYCLES` times after the same number ``n`` of
 backwards, with nothing writing into the streamed gradients between the last backward and the
 step, the ``n``-th backward of every later step also steps that optimizer for each streamed
-parameter as soon as its gradient is complete, on the host thread, while the GPU finishes the
+parameter as soon as its gradient is complete, on the host thread, while the GPU runs the
 backward. ``optimizer.step()`` then steps only the parameters left on the device.
 
 Reading the gradients between the last backward and the step (a norm for the logs) changes

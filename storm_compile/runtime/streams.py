@@ -231,8 +231,16 @@ class PinnedPool:
         self._buffers = {size: entries for size, entries in self._buffers.items() if entries}
 
     def has_room(self, nbytes: int) -> bool:
-        """Whether one more buffer of ``nbytes`` would stay within :attr:`limit`."""
-        return self.limit is None or self.reserved_bytes + bucket_bytes(nbytes) <= self.limit
+        """Whether one more buffer of ``nbytes`` would stay within :attr:`limit`, idle buffers
+        counted as room (:meth:`acquire` reuses one of that size, or lets idle ones of other
+        sizes go to pin it)."""
+        if self.limit is None:
+            return True
+        size = bucket_bytes(nbytes)
+        if self.reserved_bytes + size <= self.limit:
+            return True
+        with self._changed:
+            return self.in_use_bytes() + size <= self.limit
 
     def in_use_bytes(self) -> int:
         return sum(size for size, entries in self._buffers.items()
@@ -281,6 +289,9 @@ class _PendingStep:
     param: torch.Tensor
     step: Step
     adds_left: int
+    complete: bool = False
+    """Every addition of this backward for it is handed over: it steps once they are done,
+    before the backward is all launched."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,9 +310,12 @@ class HostAdder:
     thread launching the backward's kernels never waits for a copy home or for the additions.
 
     An addition may carry a ``step`` for its parameter (an optimizer overlapped with the
-    backward): it runs once the parameter's additions are all done and :meth:`join` has been
-    called, that is, once the whole backward has been launched and every gradient it sends is
-    known; on the thread, between additions, while the GPU finishes the backward.
+    backward): it runs once the parameter's additions are all done and either the addition
+    that came said it was the parameter's last of this backward (``complete``) or :meth:`join`
+    has been called, that is, once the whole backward has been launched and every gradient it
+    sends is known; on the thread, between additions, while the GPU runs the backward. An
+    addition for a parameter already stepped in this backward raises
+    :class:`~storm_compile.runtime.cycles.StormOverlapError`.
 
     A parameter whose ``.grad`` is None takes the buffer its gradient came home in as its
     ``.grad``, without a copy: the buffer ``storm.send_grad`` made for this gradient alone, which
@@ -336,19 +350,30 @@ class HostAdder:
         self._done = 0
         self._queued: collections.Counter[int] = collections.Counter()
         """Jobs handed to the thread and not done, by ``id`` of their parameter."""
+        self._stepped: set[int] = set()
+        """``id`` of each parameter stepped since the last :meth:`join`."""
 
     def add(self, x: torch.Tensor, param: torch.Tensor, event: torch.cuda.Event | None,
             step: Step | None = None, norm: torch.Tensor | None = None,
-            folded: bool = False) -> None:
+            folded: bool = False, complete: bool = False) -> None:
         """Add ``x`` into ``param.grad`` once ``event`` (when given) has completed: now when
         there is nothing to wait for and nothing queued, else on the thread; then ``step``
         it, when given, as the class says. ``norm``: the 2-norm of ``x``, kept in
         :attr:`norms` while ``param.grad`` is ``x`` alone, or, ``folded`` (``x`` is
-        ``param.grad``, the sum the event's copy wrote into it), the 2-norm of that sum."""
+        ``param.grad``, the sum the event's copy wrote into it), the 2-norm of that sum;
+        ``complete``: no other addition for ``param`` comes in this backward."""
         if step is not None:
             with self._lock:
+                if id(param) in self._stepped:
+                    raise StormOverlapError(
+                        f"storm: a backward brought another gradient to a streamed parameter "
+                        f"(shape {tuple(param.shape)}) after its optimizer stepped it, having "
+                        f"learned how many its backwards bring; call storm_compile."
+                        f"overlap_optimizer(optimizer, enabled=False) for a loop whose "
+                        f"backwards differ")
                 pending = self._steps.setdefault(id(param), _PendingStep(param, step, 0))
                 pending.adds_left += 1
+                pending.complete = pending.complete or complete
         if event is None and self._jobs.unfinished_tasks == 0:
             self._add_now(x, param, step is not None, norm, folded=folded)
             return
@@ -373,6 +398,7 @@ class HostAdder:
         error, self._error = self._error, None
         leftover = [p.param for p in self._steps.values()]
         self._steps.clear()
+        self._stepped.clear()
         if error is not None:
             raise RuntimeError("storm: adding a gradient into its host parameter, or the "
                                "optimizer step after it, failed") from error
@@ -438,15 +464,16 @@ class HostAdder:
                 self._jobs.task_done()
 
     def _step_one(self) -> bool:
-        """Run one step whose additions are done, once the backward is launched; whether one
-        ran."""
-        if not self._launched.is_set():
-            return False
+        """Run one step whose additions are done, once they are known complete or the backward
+        is launched; whether one ran."""
+        launched = self._launched.is_set()
         with self._lock:
-            ready = next((key for key, p in self._steps.items() if p.adds_left == 0), None)
+            ready = next((key for key, p in self._steps.items()
+                          if p.adds_left == 0 and (launched or p.complete)), None)
             if ready is None:
                 return False
             pending = self._steps.pop(ready)
+            self._stepped.add(ready)
         pending.step(pending.param)
         return True
 
@@ -526,6 +553,21 @@ class TransferRuntime:
         self._host_reads: dict[int, torch.cuda.Event] = {}
         self._mirrors = WeakIdKeyDictionary()
         self._optimizer_steps = 0
+        """Optimizer steps taken off the host thread: any of them may have changed any host
+        weight."""
+        self._thread_steps: collections.Counter[int] = collections.Counter()
+        """Steps of one parameter each the host thread took, by the parameter's data pointer."""
+        self._arrived: dict[int, tuple[torch.Tensor, int]] = {}
+        """Each parameter given gradients in the running backward, by ``id``, with how many."""
+        self._reads: collections.Counter[int] = collections.Counter()
+        """Copies launched in the running backward from each host tensor, by data pointer."""
+        self._last_counts: dict[int, tuple[int, int]] = {}
+        """Gradients and host reads of each parameter in the last backward, by ``id``."""
+        self._expected: dict[int, tuple[int, int]] = {}
+        """The same, for each parameter that had the same counts in the two backwards before."""
+        self._stepped_ptrs: set[int] = set()
+        """Data pointers of the parameters the host thread stepped in the running backward: a
+        copy from one of them now would read the stepped weight."""
         self._host_writes = 0
         self._optimizer_hooks = None
         self._adder = HostAdder(self.pool)
@@ -590,11 +632,47 @@ class TransferRuntime:
                     device: torch.device, host_reads: bool = False) -> None:
         """Copy ``src`` into ``dst`` on ``stream``, after all the compute stream has queued;
         ``host_reads``: the host reads ``dst`` after it (:meth:`accumulate`)."""
+        host_source = src.data_ptr() if src.device.type == "cpu" else None
+        if host_source is not None:
+            self._host_read(src)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-        host_source = src.data_ptr() if src.device.type == "cpu" else None
         self._launched[dst.data_ptr()] = LaunchedCopy(stream, device, host_reads, host_source)
+
+    def _host_read(self, host: torch.Tensor) -> None:
+        """A copy from ``host`` is launched: counted for :meth:`_complete` inside a backward;
+        :class:`StormOverlapError` where the host thread has stepped it during this one."""
+        if _current_backward() is None:
+            return
+        if host.data_ptr() in self._stepped_ptrs:
+            raise StormOverlapError(
+                f"storm: a backward read a streamed weight (shape {tuple(host.shape)}) after its "
+                f"optimizer stepped it, having learned that its backwards read it no later; call "
+                f"storm_compile.overlap_optimizer(optimizer, enabled=False) for a loop whose "
+                f"backwards differ")
+        self._reads[host.data_ptr()] += 1
+
+    def _complete(self, param: torch.Tensor) -> bool:
+        """Count a gradient of ``param`` arriving in the running backward; whether it is the
+        last, and every copy from ``param`` this backward launches is launched: the counts
+        match the two backwards before, and ``param`` has no device copy kept across steps
+        (whose reads and copies the optimizer's step would have to wait for)."""
+        arrived = self._arrived.get(id(param), (param, 0))[1] + 1
+        self._arrived[id(param)] = (param, arrived)
+        return param not in self._mirrors and self._expected.get(id(param)) == (
+            arrived, self._reads[param.data_ptr()])
+
+    def _learn_counts(self) -> None:
+        """At the end of a backward: keep the counts of the parameters whose gradients and
+        host reads were the same in this backward and the one before."""
+        counts = {key: (arrived, self._reads[param.data_ptr()])
+                  for key, (param, arrived) in self._arrived.items()}
+        self._expected = {key: c for key, c in counts.items() if self._last_counts.get(key) == c}
+        self._last_counts = counts
+        self._arrived.clear()
+        self._reads.clear()
+        self._stepped_ptrs.clear()
 
     def record(self, tensor: torch.Tensor) -> None:
         """Record the completion event of the copy that produced ``tensor``, if one is pending."""
@@ -630,8 +708,8 @@ class TransferRuntime:
         (:meth:`note_host_write`) or its data was replaced; the caller reads it after the
         current stream's queued work."""
         self.watch_optimizers()
-        state = (self._optimizer_steps, self._host_writes, host._version, host.data_ptr(),
-                 device)
+        state = (self._optimizer_steps, self._thread_steps[host.data_ptr()], self._host_writes,
+                 host._version, host.data_ptr(), device)
         kept = self._mirrors.get(host)
         if kept is not None and kept[1] == state:
             return kept[0]
@@ -664,10 +742,10 @@ class TransferRuntime:
                   summed: bool) -> torch.Tensor:
         """``storm.send_grad`` of a gradient of ``param``.
 
-        Not ``summed``: in the backward learned to be the step's last
-        (:meth:`Cycle.last_backward`), where ``param.grad`` holds the step's earlier gradients
-        (in a pinned buffer, on a GPU), fold ``grad`` into it (:meth:`_fold`) and return that
-        ``.grad``; else send ``grad`` home with ``copy_home``.
+        Not ``summed``: where the running backward accumulates into ``param`` and
+        ``param.grad`` holds earlier gradients (the step's earlier micro-batches', in a pinned
+        buffer on a GPU), fold ``grad`` into it (:meth:`_fold`) and return that ``.grad``; else
+        send ``grad`` home with ``copy_home``.
 
         ``summed`` (the plan left room to sum ``param``'s gradients on the device): when the
         running backward accumulates into ``param`` and is not its step's last, add ``grad``
@@ -677,7 +755,7 @@ class TransferRuntime:
         or replaced before then (:meth:`read_grad`, :meth:`grad_replaced`, every optimizer
         step)."""
         if not summed:
-            folded = self._fold(grad, param) if self._folds(param) else None
+            folded = self._fold(grad, param) if self._accumulates(param) else None
             return copy_home(grad, limit) if folded is None else folded
         if not self._accumulates(param):
             return copy_home(grad, limit)
@@ -693,18 +771,6 @@ class TransferRuntime:
         host = copy_home(total, limit)
         self._sending[host.data_ptr()] = total
         return host
-
-    def _folds(self, param: torch.Tensor) -> bool:
-        """Whether this backward is one after the first of a step that steps ``param`` in, or
-        right after, it (stated by :attr:`stepper`, or learned) and accumulates into
-        ``param``."""
-        if not self.backwards:
-            return False
-        if self.stepper is None:
-            owner = self.cycles.owner(param)
-            if owner is None or owner[1].last_backward() != self.backwards:
-                return False
-        return self._accumulates(param)
 
     def _fold(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
         """Add ``grad`` into ``param.grad`` on ``grad``'s device once the host thread is done
@@ -841,7 +907,8 @@ class TransferRuntime:
         stepper = self.stepper or self._learned_stepper(param)
         step = None if stepper is None else functools.partial(self._step, stepper)
         self._stepping = self._stepping or step is not None
-        self._adder.add(x, param, event, step, norm, folded)
+        complete = self._complete(param) and step is not None
+        self._adder.add(x, param, event, step, norm, folded, complete)
 
     def sent(self, host: torch.Tensor, grad: torch.Tensor) -> None:
         """``grad`` is on its way home into ``host``: while :attr:`norms_wanted`, take its
@@ -956,7 +1023,9 @@ class TransferRuntime:
         reading = self._host_reads.pop(param.data_ptr(), None)
         if reading is not None:
             reading.synchronize()
+        self._stepped_ptrs.add(param.data_ptr())
         stepper(param)
+        self._thread_steps[param.data_ptr()] += 1
 
     def wait_host(self) -> None:
         """At the end of the autograd engine's backward pass, or now outside one: wait for
@@ -981,6 +1050,7 @@ class TransferRuntime:
             self._previous_backward = self._adder.handed_over()
         self.backwards += self._carried
         self._carried = self._stepping = self._unguarded = False
+        self._learn_counts()
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -1050,9 +1120,9 @@ class TransferRuntime:
                 _TENSOR_GRAD.__set__(param, None)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        self._optimizer_steps += 1
         if self._adder.on_thread():
             return
+        self._optimizer_steps += 1
         self._in_step -= 1
         for param, grad in self._hidden:
             if _TENSOR_GRAD.__get__(param) is None:

@@ -610,8 +610,9 @@ class OverlappedOptimizer:
         optimizer.step()                # steps the rest (parameters left on the device)
         optimizer.zero_grad()
 
-    A streamed parameter is stepped once the whole backward has been launched, all of its
-    gradient has arrived and no copy launched from it is still reading it; ``backward()``
+    A streamed parameter is stepped once all of its gradient has arrived (known from the
+    backwards before, or once the whole backward has been launched) and no copy launched from
+    it is still reading it; ``backward()``
     returns after every step. Its ``.grad`` is None afterwards, so ``optimizer.step()`` skips
     it, and LR schedulers and ``state_dict`` work on ``optimizer`` as usual. Gradient clipping
     over streamed parameters needs their whole gradient before any step: clip without this

@@ -77,16 +77,16 @@ def _sends(model) -> int:
 
 
 @pytest.mark.usefixtures("small_fold_chunks")
-def test_backwards_after_a_steps_first_fold_their_gradients_into_their_sums_and_train_right():
-    """Each streamed gradient of a step's micro-batches after its first is added into its
-    ``.grad`` (the step's earlier gradients) where it was made, chunk by chunk, and the host
+def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_and_trains_right():
+    """Once storm knows a step's last backward, each streamed gradient it brings is added into
+    its ``.grad`` (the step's earlier gradients) where it was made, chunk by chunk, and the host
     thread adds nothing; the training is the unstreamed model's."""
     model, batch, expected = _reference()
     runtime = get_runtime()
     folds = runtime.folds
     result = _loop(model, batch, storm(**CPU_TEST_OPTIONS))
     _assert_trains_like(result, expected)
-    assert runtime.folds - folds == _sends(model) * (MICRO_BATCHES - 1) * STEPS
+    assert runtime.folds - folds == _sends(model) * (STEPS - STABLE_CYCLES)
 
 
 @pytest.mark.usefixtures("small_fold_chunks")
@@ -101,7 +101,7 @@ def test_a_folded_gradients_norm_is_taken_where_it_was_summed():
     result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), after_backward=_norms(model, got))
     _assert_trains_like(result, expected)
     assert got == pytest.approx(want)
-    assert get_runtime().norms_served - served == _sends(model) * (STEPS - 1)
+    assert get_runtime().norms_served - served == _sends(model) * (STEPS - STABLE_CYCLES)
 
 
 def test_a_stated_count_takes_the_fast_path_from_the_first_step():

@@ -940,8 +940,7 @@ def test_the_search_keeps_the_plan_fastest_over_two_micro_batches_with_its_sums(
     fastest = min(tried, key=lambda plan: plan.step_s)
     assert graphs.forward is fastest.graphs.forward
     cost = cost_model()
-    two = simulate(graphs, cost, held=True, folded=True).step_s \
-        + simulate(graphs, cost, folded=True).step_s
+    two = simulate(graphs, cost, held=True).step_s + simulate(graphs, cost, folded=True).step_s
     assert two == pytest.approx(fastest.step_s)
 
 
@@ -1282,8 +1281,7 @@ def test_predicted_optimizer_step_puts_micro_batches_and_the_optimizer_together(
     after = predict_step(graphs, cost, 4, overlapped=False)
     during = predict_step(graphs, cost, 4, overlapped=True)
     for step in (after, during):
-        assert step.micro_batch_s == pytest.approx(
-            simulate(graphs, cost, held=True, folded=True).step_s)
+        assert step.micro_batch_s == pytest.approx(simulate(graphs, cost).step_s)
         assert step.first_micro_batch_s == pytest.approx(
             simulate(graphs, cost, first=True).step_s)
         assert step.step_s == pytest.approx(step.first_micro_batch_s + 2 * step.micro_batch_s
@@ -1318,10 +1316,11 @@ def test_a_steps_first_gradients_cost_the_host_no_addition():
         "keep", "step"}
 
 
-def test_micro_batches_after_a_steps_first_fold_their_gradients_into_their_host_sums():
-    """A micro-batch of a step of several but its first folds each gradient into its host sum
-    on the device: the sum comes in beside the gradient's copy home, and the host adds
-    nothing; with additions slower than the link the micro-batch ends sooner."""
+def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_on_the_device():
+    """The last micro-batch of a step of several folds each gradient into its host sum on the
+    device: the sum comes in beside the gradient's copy home, and the host adds nothing; with
+    additions slower than the link the micro-batch ends sooner, and a step of several
+    micro-batches ends with that one."""
     graphs, _ = _streamed_graphs()
     cost = _host_rates(add=1e6)
     added, folded = simulate(graphs, cost), simulate(graphs, cost, folded=True)
@@ -1344,25 +1343,26 @@ def test_micro_batches_after_a_steps_first_fold_their_gradients_into_their_host_
                                              copies[f"{send}.fold_in"].end_s)
     step = predict_step(graphs, cost, 3, overlapped=False)
     assert step.last_micro_batch_s == pytest.approx(folded.step_s)
-    assert step.micro_batch_s == pytest.approx(
-        simulate(graphs, cost, held=True, folded=True).step_s)
+    assert step.micro_batch_s == pytest.approx(added.step_s)
     assert predict_step(graphs, cost, 1, overlapped=False).last_micro_batch_s == pytest.approx(
         simulate(graphs, cost, first=True).step_s)
 
 
-def test_accumulating_micro_batches_wait_for_no_host_work_between_them():
-    """Under ``gradient_accumulation()`` a micro-batch but the last does not wait for the
-    host; the micro-batches after the first fold their gradients on the device, so the host has
-    no additions to defer, and each takes its forward and backward alone."""
+@pytest.mark.parametrize("add_rate", [1e10, 1e6], ids=["host-keeps-up", "host-bound"])
+def test_accumulating_micro_batches_leave_their_additions_to_the_next(add_rate):
     graphs, _ = _streamed_graphs()
-    cost = _host_rates(add=1e6)
-    each = simulate(graphs, cost, held=True, folded=True)
+    cost = _host_rates(add=add_rate)
+    each = simulate(graphs, cost)
+    adding = sum(h.end_s - h.start_s for h in each.host if h.work == "add")
     waiting = predict_step(graphs, cost, 4, overlapped=False)
     deferred = predict_step(graphs, cost, 4, overlapped=False, accumulating=True)
-    assert not [h for h in each.host if h.work == "add"]
-    assert deferred.host_wait_s == 0 and deferred.first_host_wait_s == 0
-    assert deferred.micro_batch_s == pytest.approx(each.step_s - each.host_wait_s)
+    compute = each.step_s - each.host_wait_s
+    assert each.host_wait_s > 0
+    assert deferred.host_wait_s == 0
+    assert deferred.micro_batch_s == pytest.approx(max(compute, adding))
+    assert (adding > compute) == (add_rate == 1e6)
     assert deferred.last_micro_batch_s == waiting.last_micro_batch_s
+    assert deferred.first_host_wait_s == 0
     assert deferred.host_s == pytest.approx(
         waiting.host_s - waiting.first_host_wait_s - 2 * each.host_wait_s)
     assert deferred.step_s <= waiting.step_s

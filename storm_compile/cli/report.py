@@ -414,6 +414,7 @@ def throughput_row(summary: dict[str, object], step: StepPrediction) -> dict[str
             "optimizer_step_ms": step.step_s * MS,
             "first_micro_batch_ms": step.first_micro_batch_s * MS,
             "micro_batch_ms": step.micro_batch_s * MS,
+            "last_micro_batch_ms": step.last_micro_batch_s * MS,
             "host_wait_ms": step.host_wait_s * MS, "optimizer_ms": step.optimizer_s * MS}
 
 

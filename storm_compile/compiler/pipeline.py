@@ -317,9 +317,9 @@ def _summed(candidate: _Candidate, user: PassContext, room: int) -> _Candidate:
     """``candidate`` with the gradients of its resident weights summed on the device in the
     room its peak leaves (``plan_gradient_sums``, then ``insert_transfers`` marks their sends
     ``summed``; a sum holds the weight's bytes and changes nothing else of the plan), priced
-    for a step of two micro-batches after a first: one that holds its gradients' sums on the
-    device, and the last, which sends the sums home; both fold the other gradients into their
-    host sums on the device.
+    for a step of two micro-batches: one that holds its gradients' sums on the device, and the
+    last, which sends the sums home and folds the other gradients into their host sums on the
+    device.
 
     A graph compiles at the loop's first forward, before any step says how many backwards it
     takes. Room spent on weights kept on the device speeds every micro-batch; room spent on
@@ -335,8 +335,7 @@ def _summed(candidate: _Candidate, user: PassContext, room: int) -> _Candidate:
         peak += graphs.share.resident_bytes - candidate.graphs.share.resident_bytes
         graphs = _run(insert_transfers, graphs, user)
     last_s = simulate(graphs, user.cost, folded=True).step_s
-    held_s = simulate(graphs, user.cost, held=True, folded=True).step_s
-    return _Candidate(held_s + last_s, graphs, peak)
+    return _Candidate(simulate(graphs, user.cost, held=True).step_s + last_s, graphs, peak)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -352,9 +352,9 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False,
     optimizer's last micro-batch); with ``first``, the pair is a step's first micro-batch,
     whose gradients the host keeps as ``.grad`` instead of adding them; with ``held``, a
     micro-batch of a step of several but its last, whose gradients summed on the device stay
-    there; with ``folded``, a micro-batch of a step of several but its first, whose gradients
-    not summed on the device are folded into their host sums there: each send copies the sum
-    in beside its copy home, and the host adds nothing."""
+    there; with ``folded``, the last micro-batch of a step of several, whose gradients not
+    summed on the device are folded into their host sums there: each send copies the sum in
+    beside its copy home, and the host adds nothing."""
     fw, bw = graphs.forward, graphs.backward
     link = _Link(cost)
     folds = frozenset(n for n in bw.graph.find_nodes(op="call_function", target=ops.send_grad)
@@ -421,22 +421,26 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
     (fused, on the host) over its streamed weights: after the last backward, or, ``overlapped``
     (:class:`~storm_compile.weights.streaming.OverlappedOptimizer`), on the host thread during it.
     The first micro-batch's gradients become the weights' ``.grad`` without additions (the loop
-    calls ``zero_grad`` between steps); the others' are folded into them on the device.
+    calls ``zero_grad`` between steps).
     ``accumulating`` (:func:`~storm_compile.weights.streaming.gradient_accumulation`): a micro-batch
-    but the last does not wait for the host thread at its end. The optimizer's device work for parameters left on the device is not counted (for
+    but the last does not wait for its gradients' additions, which run during the next one
+    (whose end waits for them);
+    a micro-batch then takes its forward and backward or the host's additions, whichever is
+    longer. The optimizer's device work for parameters left on the device is not counted (for
     a streamed model: its norms and biases, a few MiB)."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
     only = micro_batches == 1
     first = simulate(graphs, cost, steps=overlapped and only, first=True, held=not only)
-    each = first if only else simulate(graphs, cost, held=True, folded=True)
+    each = first if only else simulate(graphs, cost, held=True)
     last = first if only else simulate(graphs, cost, steps=overlapped, folded=True)
     optimizer = 0.0 if overlapped else sum(
         cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
     opening, opening_wait = first.step_s, first.host_wait_s
     micro, wait = each.step_s, each.host_wait_s
     if accumulating and not only:
-        micro, wait = each.step_s - each.host_wait_s, 0.0
+        adding = sum(h.end_s - h.start_s for h in each.host if h.work == "add")
+        micro, wait = max(each.step_s - each.host_wait_s, adding), 0.0
         opening, opening_wait = first.step_s - first.host_wait_s, 0.0
     return StepPrediction(micro_batches=micro_batches, overlapped=overlapped,
                           accumulating=accumulating, first_micro_batch_s=opening,

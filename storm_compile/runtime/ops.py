@@ -46,13 +46,13 @@ across steps and copies again only when ``w`` may have changed (after any optimi
 when its version counter or data moved), cloned on the device for each read so that the
 compiled graph owns, and may reuse, the memory it reads.
 
-A gradient whose weight's ``.grad`` already holds earlier gradients (a step's micro-batches
-after its first) in a pinned buffer is folded into it on the device instead: that ``.grad`` is
-copied in, ``g`` added, and the sum copied back into it, in chunks through two device buffers,
-and the host thread adds nothing
+In the backward that :mod:`storm_compile.runtime.cycles` learned to be a step's last, a
+gradient whose weight's ``.grad`` already holds the step's earlier gradients in a pinned buffer
+is folded into it on the device instead: that ``.grad`` is copied in, ``g`` added, and the sum
+copied back into it, in chunks through two device buffers, and the host thread adds nothing
 (:meth:`~storm_compile.runtime.streams.TransferRuntime.send_grad`). The link carries the bytes
 twice where the host would have added them at a third of the link's rate, on the thread that
-steps the optimizer in a step's last backward.
+steps the optimizer during that backward.
 
 Such a weight whose gradients have room on the device too (``ResidentWeight.summed``) sends
 each with ``summed``, ``storm.send_grad(g, host_limit, w, True)``: in a backward that is not its

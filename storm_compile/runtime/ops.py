@@ -157,7 +157,11 @@ _lib.define("wait_host(Tensor[] tokens) -> ()")
 
 @torch.library.impl(_lib, "fetch_weight", _COMPOSITE)
 def _fetch_weight(w: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return w.to(device, non_blocking=w.is_pinned(), copy=True)
+    if w.device == device:
+        return w.clone()
+    out = torch.empty_like(w, device=device)
+    get_runtime().copy_from_host(out, w)
+    return out
 
 
 @torch.library.register_fake("storm::fetch_weight")

@@ -715,9 +715,22 @@ class TransferRuntime:
             return kept[0]
         copy = kept[0] if kept is not None and kept[0].device == device \
             else torch.empty_like(host, device=device)
-        copy.copy_(host, non_blocking=host.is_pinned())
+        self.copy_from_host(copy, host)
         self._mirrors[host] = (copy, state)
         return copy
+
+    def copy_from_host(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``host`` into ``dst`` on the current stream, asynchronously from pinned memory
+        to a GPU: the host thread's optimizer step of ``host`` waits for the copy to have read
+        it (:meth:`_step`), and inside a backward the copy counts as a read of it
+        (:meth:`_host_read`)."""
+        self._host_read(host)
+        asynchronous = host.is_pinned() and dst.device.type == "cuda"
+        dst.copy_(host, non_blocking=asynchronous)
+        if asynchronous:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dst.device))
+            self._host_reads[host.data_ptr()] = event
 
     def prepare_backward(self, weights: list[torch.Tensor], limit: int) -> None:
         """Ahead of a backward that sends the gradients of the streamed ``weights`` home (in

@@ -69,7 +69,8 @@ and each ``w_dev = storm.fetch_weight(w, device)`` of a weight in
 and each ``storm.grad_to_host(g, w)`` of the backward (``graphs.storages.sends``) becomes::
 
     issue_after(...)                                  # g's producer or a later node
-    g_host       = storm.send_grad(g, host_limit, w)
+    g_host       = storm.send_grad(g, host_limit, w)   # w where folding g on the device beats
+                                                      # the host's addition (folds_faster)
     g_host_ready = storm.record_event(g_host)
     ...
     wait_after(...)
@@ -113,6 +114,7 @@ from storm_compile.fx.torch_private import tree_leaves
 from storm_compile.fx.vocabulary import (
     SUMMED_ARG,
     node_order,
+    tensor_bytes,
     sums_on_device,
     view_chain,
     view_closure,
@@ -275,7 +277,9 @@ def _send_home(graph: fx.Graph, send: GradSend, ctx: PassContext) -> fx.Node:
     node = send.node
     grad, weight = node.args
     with graph.inserting_after(send.issue_after):
-        host = _emit(graph, ops.send_grad, (grad, ctx.config.host_memory_limit, weight))
+        limit = ctx.config.host_memory_limit
+        folds = ctx.cost.folds_faster(tensor_bytes(grad.meta.get("val")))
+        host = _emit(graph, ops.send_grad, (grad, limit, weight) if folds else (grad, limit))
     with graph.inserting_after(host):
         ready = _emit(graph, ops.record_event, (host,))
     after = ready if send.wait_after is send.issue_after else send.wait_after

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -11,6 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
 
+from storm_compile.cost.profiles import PROFILES  # noqa: E402
 from storm_compile.runtime.streams import get_runtime  # noqa: E402
 
 
@@ -35,6 +37,20 @@ def small_fold_chunks():
     runtime.fold_chunk_bytes = FOLD_TEST_CHUNK_BYTES
     yield
     runtime.fold_chunk_bytes = chunk
+
+
+SLOW_HOST_ADD_BANDWIDTH = 1e9
+"""A host that adds gradients at a tenth of the CPU test profile's link rate: the cost model folds
+them on the device (``CostModel.folds_faster``)."""
+
+
+@pytest.fixture
+def slow_host_profile(tmp_path) -> str:
+    """A device profile file: the CPU test profile with a host that adds slower than the link."""
+    path = tmp_path / "slow-host.json"
+    dataclasses.replace(PROFILES["cpu-test"], name="cpu-test-slow-host",
+                        host_add_bandwidth=SLOW_HOST_ADD_BANDWIDTH).to_json(path)
+    return str(path)
 
 
 MULTI_GPU = 2

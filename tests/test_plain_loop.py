@@ -11,6 +11,8 @@ import torch
 
 from helpers import CPU_TEST_OPTIONS, streamed, unstreamed_name
 from storm_compile import StormOverlapError, overlap_optimizer, storm
+from storm_compile.cost.cost_model import CostModel
+from storm_compile.cost.profiles import DeviceProfile
 from storm_compile.runtime.cycles import STABLE_CYCLES
 from storm_compile.runtime.streams import get_runtime
 from storm_compile.weights import streaming
@@ -71,26 +73,30 @@ def test_plain_loop_trains_like_the_unstreamed_model_and_takes_the_fast_path_onc
     assert result[2] == [False] * STABLE_CYCLES + [True] * (STEPS - STABLE_CYCLES)
 
 
-def _sends(model) -> int:
-    """How many gradients of streamed parameters a backward of ``model`` sends home."""
-    return len({id(p) for p in streamed(model)})
+def _folding(model, profile: str) -> int:
+    """How many gradients of streamed parameters a backward of ``model`` sends home with their
+    weights, to fold, under ``profile``."""
+    cost = CostModel(DeviceProfile.from_json(profile))
+    return sum(cost.folds_faster(p.numel() * p.element_size()) for p in streamed(model))
 
 
 @pytest.mark.usefixtures("small_fold_chunks")
-def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_and_trains_right():
+def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_and_trains_right(
+        slow_host_profile):
     """Once storm knows a step's last backward, each streamed gradient it brings is added into
     its ``.grad`` (the step's earlier gradients) where it was made, chunk by chunk, and the host
-    thread adds nothing; the training is the unstreamed model's."""
+    thread adds nothing, where the host adds slower than the link; the training is the
+    unstreamed model's."""
     model, batch, expected = _reference()
     runtime = get_runtime()
     folds = runtime.folds
-    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS))
+    result = _loop(model, batch, storm(**{**CPU_TEST_OPTIONS, "profile": slow_host_profile}))
     _assert_trains_like(result, expected)
-    assert runtime.folds - folds == _sends(model) * (STEPS - STABLE_CYCLES)
+    assert runtime.folds - folds == _folding(model, slow_host_profile) * (STEPS - STABLE_CYCLES)
 
 
 @pytest.mark.usefixtures("small_fold_chunks")
-def test_a_folded_gradients_norm_is_taken_where_it_was_summed():
+def test_a_folded_gradients_norm_is_taken_where_it_was_summed(slow_host_profile):
     """After a norm was read once, the fold takes the 2-norm of each sum it makes, and
     ``clip_grad_norm_``'s reads after the last backward are answered with it."""
     reference, model, batch = _pair()
@@ -98,10 +104,12 @@ def test_a_folded_gradients_norm_is_taken_where_it_was_summed():
     expected = _loop(reference, batch, storm(**CPU_TEST_OPTIONS),
                      after_backward=_norms(reference, want))
     served = get_runtime().norms_served
-    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), after_backward=_norms(model, got))
+    result = _loop(model, batch, storm(**{**CPU_TEST_OPTIONS, "profile": slow_host_profile}),
+                   after_backward=_norms(model, got))
     _assert_trains_like(result, expected)
     assert got == pytest.approx(want)
-    assert get_runtime().norms_served - served == _sends(model) * (STEPS - STABLE_CYCLES)
+    assert get_runtime().norms_served - served == \
+        _folding(model, slow_host_profile) * (STEPS - STABLE_CYCLES)
 
 
 def test_a_stated_count_takes_the_fast_path_from_the_first_step():

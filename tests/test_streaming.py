@@ -25,12 +25,13 @@ from storm_compile.compiler.pipeline import run_passes
 from storm_compile.config import MemoryBudget, StormConfig
 from storm_compile.cost.calibrate import host_rates
 from storm_compile.cost.cost_model import CostModel
-from storm_compile.cost.profiles import PROFILES
+from storm_compile.cost.profiles import PROFILES, DeviceProfile
 from storm_compile.cost.simulate import device_bytes, predict_step, simulate, stepped_weights
 from storm_compile.fx.graphs import Limits, PassContext, StormGraphs, saved_values
 from storm_compile.fx.vocabulary import (
     RECOMPUTE_TAG,
     Lane,
+    folds_on_device,
     storage_owner,
     sums_on_device,
     tensor_bytes,
@@ -1317,31 +1318,45 @@ def test_a_steps_first_gradients_cost_the_host_no_addition():
         "keep", "step"}
 
 
-def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_on_the_device():
-    """The last micro-batch of a step of several folds each gradient into its host sum on the
-    device: the sum comes in beside the gradient's copy home, and the host adds nothing; with
+def test_a_gradient_is_sent_with_its_weight_only_where_folding_it_beats_the_host():
+    """``insert_transfers`` gives a gradient's send its weight (folded in a step's last
+    backward) only where the link copies its host sum in faster than the host adds it."""
+    fast_host = nodes(_streamed_graphs()[0].backward, ops.send_grad)
+    assert fast_host and not any(folds_on_device(n) for n in fast_host)
+
+
+def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_on_the_device(
+        slow_host_profile):
+    """The last micro-batch of a step of several folds each gradient sent with its weight (those
+    whose copy in beats the host's addition under the profile) into its host sum on the device:
+    the sum comes in beside the gradient's copy home, and the host adds nothing for it; with
     additions slower than the link the micro-batch ends sooner, and a step of several
     micro-batches ends with that one."""
-    graphs, _ = _streamed_graphs()
+    graphs, _ = _streamed_graphs(profile=slow_host_profile)
+    sends = nodes(graphs.backward, ops.send_grad)
+    folding = [n for n in sends if folds_on_device(n)]
+    profile = CostModel(DeviceProfile.from_json(slow_host_profile))
+    assert folding and all(folds_on_device(n) == profile.folds_faster(tensor_bytes(n.meta["val"]))
+                           for n in sends)
     cost = _host_rates(add=1e6)
     added, folded = simulate(graphs, cost), simulate(graphs, cost, folded=True)
-    sends = nodes(graphs.backward, ops.send_grad)
     assert {h.work for h in added.host} == {"add"}
-    assert {h.work for h in folded.host} == {"keep"}
-    assert all(h.end_s == h.start_s for h in folded.host)
+    work = {h.node: h for h in folded.host}
+    for add in nodes(graphs.backward, ops.accumulate_grad):
+        assert work[add.name].work == ("keep" if _send_of(add) in folding else "add")
     assert folded.step_s < added.step_s
 
     def moved(prediction, lane):
         return sum(c.nbytes for c in prediction.copies if c.graph == "bw" and c.lane is lane)
     assert moved(folded, Lane.H2D) == moved(added, Lane.H2D) + sum(
-        tensor_bytes(n.meta["val"]) for n in sends)
+        tensor_bytes(n.meta["val"]) for n in folding)
     assert moved(folded, Lane.D2H) == moved(added, Lane.D2H)
     copies = {c.node: c for c in folded.copies}
-    kept = {h.node: h for h in folded.host}
     for add in nodes(graphs.backward, ops.accumulate_grad):
-        send = _send_of(add).name
-        assert kept[add.name].start_s >= max(copies[send].end_s,
-                                             copies[f"{send}.fold_in"].end_s)
+        send = _send_of(add)
+        if send in folding:
+            assert work[add.name].start_s >= max(copies[send.name].end_s,
+                                                 copies[f"{send.name}.fold_in"].end_s)
     step = predict_step(graphs, cost, 3, overlapped=False)
     assert step.last_micro_batch_s == pytest.approx(folded.step_s)
     assert step.micro_batch_s == pytest.approx(added.step_s)

@@ -52,6 +52,7 @@ from storm_compile.fx.vocabulary import (
     COPY_LANES,
     Lane,
     is_compute,
+    folds_on_device,
     storage_owner,
     sums_on_device,
     tensor_bytes,
@@ -352,13 +353,14 @@ def simulate(graphs: StormGraphs, cost: CostModel, steps: bool = False,
     optimizer's last micro-batch); with ``first``, the pair is a step's first micro-batch,
     whose gradients the host keeps as ``.grad`` instead of adding them; with ``held``, a
     micro-batch of a step of several but its last, whose gradients summed on the device stay
-    there; with ``folded``, the last micro-batch of a step of several, whose gradients not
-    summed on the device are folded into their host sums there: each send copies the sum in
-    beside its copy home, and the host adds nothing."""
+    there; with ``folded``, the last micro-batch of a step of several, whose gradients sent with
+    their weights (:func:`~storm_compile.fx.vocabulary.folds_on_device`) are folded into their
+    host sums on the device: each such send copies the sum in beside its copy home, and the
+    host adds nothing for it."""
     fw, bw = graphs.forward, graphs.backward
     link = _Link(cost)
     folds = frozenset(n for n in bw.graph.find_nodes(op="call_function", target=ops.send_grad)
-                      if folded and not sums_on_device(n))
+                      if folded and folds_on_device(n))
     host = _HostThread(cost, "bw", steps, first, folds)
     timings: list[NodeTiming] = []
     inputs = set(fw.graph.find_nodes(op="placeholder"))
@@ -459,13 +461,14 @@ def host_inputs(graphs: StormGraphs) -> set[fx.Node]:
 def device_bytes(graphs: StormGraphs, prediction: Prediction) -> int:
     """Device memory at the predicted peak: the forward's inputs that live on the device
     (parameters left there, buffers, the batch, the kept copy of a resident streamed weight),
-    the buffers a backward that sends gradients home folds them through, and the peak above
-    them."""
+    the buffers a backward that folds gradients into their host sums folds them through, and
+    the peak above them."""
     streamed = host_inputs(graphs)
     sums = sum(w.nbytes for w in graphs.storages.resident if w.summed) \
         if graphs.storages is not None else 0
-    sends = graphs.backward.graph.find_nodes(op="call_function", target=ops.send_grad)
-    folding = fold_device_bytes(max(map(_storage_bytes, sends), default=0))
+    folds = [n for n in graphs.backward.graph.find_nodes(op="call_function", target=ops.send_grad)
+             if folds_on_device(n)]
+    folding = fold_device_bytes(max(map(_storage_bytes, folds), default=0))
     return prediction.peak_bytes + sums + folding + sum(
         tensor_bytes(n.meta.get("val")) for n in graphs.forward.graph.find_nodes(op="placeholder")
         if n not in streamed)

@@ -122,8 +122,17 @@ def is_transfer(node: fx.Node) -> bool:
 COPY_LANES = {ops.offload: Lane.D2H, ops.send_grad: Lane.D2H, ops.prefetch: Lane.H2D}
 """Storm's copy ops and the copy stream each runs on."""
 
+WEIGHT_ARG = 2
+"""Where ``storm.send_grad``'s weight is, after the gradient and the host limit."""
 SUMMED_ARG = 3
 """Where ``storm.send_grad``'s ``summed`` is, after the gradient, the host limit and the weight."""
+
+
+def folds_on_device(node: fx.Node) -> bool:
+    """Whether ``node`` is a ``storm.send_grad`` given its weight and not ``summed``: in a step's
+    last backward its gradient is folded into the weight's host sum on the device."""
+    return node.target is ops.send_grad and len(node.args) > WEIGHT_ARG \
+        and not sums_on_device(node)
 
 
 def sums_on_device(node: fx.Node) -> bool:

@@ -29,8 +29,8 @@ fetches become prefetches (above), and each gradient's copy home is sent on the 
 as the gradient is produced and added into ``w.grad`` by a host thread once the copy is done, while
 the GPU runs on::
 
-    h  = storm.send_grad(g, host_limit, w)  # D2H stream waits on compute, copies g into a
-                                            # pinned buffer
+    h  = storm.send_grad(g, host_limit[, w])  # D2H stream waits on compute, copies g into a
+                                              # pinned buffer
     h1 = storm.record_event(h)
     ...compute...
     h2 = storm.wait_event(h1, g)        # compute stream waits; g's last use, its memory is freed
@@ -46,10 +46,11 @@ across steps and copies again only when ``w`` may have changed (after any optimi
 when its version counter or data moved), cloned on the device for each read so that the
 compiled graph owns, and may reuse, the memory it reads.
 
-In the backward that :mod:`storm_compile.runtime.cycles` learned to be a step's last, a
-gradient whose weight's ``.grad`` already holds the step's earlier gradients in a pinned buffer
-is folded into it on the device instead: that ``.grad`` is copied in, ``g`` added, and the sum
-copied back into it, in chunks through two device buffers, and the host thread adds nothing
+A send given its weight (``w`` above: where the cost model finds the link faster than the host's
+addition) folds its gradient in the backward that :mod:`storm_compile.runtime.cycles` learned to
+be a step's last, where the weight's ``.grad`` already holds the step's earlier gradients in a
+pinned buffer: that ``.grad`` is copied in, ``g`` added on the device, and the sum copied back
+into it, in chunks through two device buffers, and the host thread adds nothing
 (:meth:`~storm_compile.runtime.streams.TransferRuntime.send_grad`). The link carries the bytes
 twice where the host would have added them at a third of the link's rate, on the thread that
 steps the optimizer during that backward.

@@ -194,25 +194,47 @@ def streamed_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if getattr(p, "storm_streamed", False)]
 
 
-def step_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor,
-                   keep_grad: bool = False) -> None:
-    """Step ``optimizer`` for ``param`` alone, with its group's settings; unless ``keep_grad``,
-    set its ``.grad`` to None so that ``optimizer.step()`` skips it (with ``keep_grad`` the
-    caller hides it from that step). Raises ``ValueError`` when ``param`` is not in
-    ``optimizer``."""
+def group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
+    """The parameter group of ``optimizer`` that holds ``param``. Raises ``ValueError`` when
+    none does."""
     group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])),
                  None)
     if group is None:
         raise ValueError(f"storm: a streamed parameter of shape {tuple(param.shape)} is not in "
                          f"the optimizer that steps during the backward")
-    groups = optimizer.param_groups
-    optimizer.param_groups = [{**group, "params": [param]}]
-    try:
-        optimizer.step()
-    finally:
-        optimizer.param_groups = groups
-    if not keep_grad:
-        param.grad = None
+    return group
+
+
+def step_alone(optimizer: torch.optim.Optimizer, group: dict, state=None) -> None:
+    """Run ``optimizer``'s update over ``group`` (its settings and ``"params"``) alone, through
+    a shallow copy of ``optimizer`` holding only that group: ``optimizer``'s own groups are
+    never changed, so another thread may step it at the same time, and neither the global nor
+    its own step hooks run (they run in the user's ``optimizer.step()``). ``state``: the
+    per-parameter state the update reads and writes, ``optimizer.state`` when None."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.__dict__.pop("step", None)      # an LR scheduler's wrapper of the original's step
+    view.param_groups = [group]
+    if state is not None:
+        view.state = state
+    update = type(optimizer).step
+    if getattr(update, "hooked", False):    # Optimizer.profile_hook_step, which runs the hooks
+        update = update.__wrapped__
+    update(view)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterStep:
+    """``optimizer``'s step of one parameter whose gradient is complete, with its group's
+    settings (:func:`step_alone`); ``keep_grad``: the parameter keeps its ``.grad`` afterwards,
+    hidden from ``optimizer.step()``, else its ``.grad`` is set to None so that the step skips
+    it (done by whoever calls)."""
+
+    optimizer: torch.optim.Optimizer
+    keep_grad: bool = False
+
+    def __call__(self, param: torch.Tensor) -> None:
+        step_alone(self.optimizer, {**group_of(self.optimizer, param), "params": [param]})
 
 
 class Cycles:

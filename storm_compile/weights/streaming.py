@@ -39,7 +39,7 @@ from storm_compile.fx.vocabulary import (
     tensor_bytes,
 )
 from storm_compile.runtime import ops
-from storm_compile.runtime.cycles import OVERLAPPABLE, step_parameter
+from storm_compile.runtime.cycles import OVERLAPPABLE, ParameterStep
 from storm_compile.runtime.streams import _TENSOR_GRAD, get_runtime, pin_quickly
 from storm_compile.weights.host_residency import HostResidentParametrizationList, keep_on_host
 from storm_compile.weights.quantize import Packed, StormQuantizeError, check, dequantize, quantize
@@ -629,14 +629,11 @@ class OverlappedOptimizer:
         runtime = get_runtime()
         if runtime.stepper is not None:
             raise RuntimeError("OverlappedOptimizer.final_backward: already inside one")
-        runtime.stepper = self._step
+        runtime.stepper = ParameterStep(self.optimizer)
         try:
             yield
         finally:
             runtime.stepper = None
-
-    def _step(self, param: torch.Tensor) -> None:
-        step_parameter(self.optimizer, param)
 
 
 @contextlib.contextmanager

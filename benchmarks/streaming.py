@@ -98,7 +98,6 @@ from storm_compile.cost.simulate import device_bytes, predict_step, simulate
 from storm_compile.fx.graphs import COST_KEY, StormGraphs
 from storm_compile.fx.prediction import StepPrediction
 from storm_compile.fx.vocabulary import GB, GIB, MS, US
-from storm_compile.runtime.streams import get_runtime
 from storm_compile.weights.quantize import FORMATS, dequantize, quantize
 from storm_compile.weights.streaming import (
     DEFAULT_RESIDENT_BYTES,
@@ -450,7 +449,6 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     step_s, optimizer_s = [], []
-    device_steps = get_runtime().device_steps
     for _ in range(args.steps):
         begin = time.perf_counter()
         optimizer_s.append(run.step(batches)[1])
@@ -458,7 +456,6 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
     step = min(step_s)
     tokens = row["tokens"] * micro_batches
     row.update(step_ms=step * MS, tokens_per_s=tokens / step,
-               gpu_stepped_per_step=(get_runtime().device_steps - device_steps) / args.steps,
                tflops=_model_flops(shape, tokens, args.lora) / step / 1e12,
                optimizer_ms=min(optimizer_s) * MS,
                peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)

@@ -73,6 +73,28 @@ def test_plain_loop_trains_like_the_unstreamed_model_and_takes_the_fast_path_onc
     assert result[2] == [False] * STABLE_CYCLES + [True] * (STEPS - STABLE_CYCLES)
 
 
+def test_the_fast_path_runs_the_optimizers_step_hooks_once_per_step_and_keeps_its_groups():
+    """A parameter stepped on the host thread during the backward steps through a copy of the
+    optimizer: the optimizer's own step hooks run once per ``optimizer.step()``, as unstreamed,
+    and its groups, read during the backward, are the user's."""
+    model, batch, expected = _reference()
+    calls, groups_seen = [], []
+
+    def configure(optimizer):
+        optimizer.register_step_pre_hook(lambda *args: calls.append("pre"))
+        optimizer.register_step_post_hook(lambda *args: calls.append("post"))
+        groups = [len(g["params"]) for g in optimizer.param_groups]
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(lambda _: groups_seen.append(
+                [len(g["params"]) for g in optimizer.param_groups] == groups))
+
+    result = _loop(model, batch, storm(**CPU_TEST_OPTIONS), configure=configure)
+    _assert_trains_like(result, expected)
+    assert result[2][-1], "the fast path ran"
+    assert calls == ["pre", "post"] * STEPS
+    assert groups_seen and all(groups_seen)
+
+
 def _folding(model, profile: str) -> int:
     """How many gradients of streamed parameters a backward of ``model`` sends home with their
     weights, to fold, under ``profile``."""

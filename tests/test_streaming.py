@@ -26,13 +26,7 @@ from storm_compile.config import MemoryBudget, StormConfig
 from storm_compile.cost.calibrate import host_rates
 from storm_compile.cost.cost_model import CostModel
 from storm_compile.cost.profiles import PROFILES, DeviceProfile
-from storm_compile.cost.simulate import (
-    DEVICE_STEP,
-    device_bytes,
-    predict_step,
-    simulate,
-    stepped_weights,
-)
+from storm_compile.cost.simulate import device_bytes, predict_step, simulate, stepped_weights
 from storm_compile.fx.graphs import Limits, PassContext, StormGraphs, saved_values
 from storm_compile.fx.vocabulary import (
     RECOMPUTE_TAG,
@@ -697,32 +691,6 @@ def test_host_adder_steps_a_parameter_after_its_last_addition_and_the_join():
     torch.testing.assert_close(by_param[True], torch.full((2,), 3.0))
     torch.testing.assert_close(by_param[False], torch.ones(2))
     assert first.grad is None and second.grad is None
-
-
-def test_the_join_takes_the_ready_steps_from_the_back_while_the_thread_is_busy():
-    """``join(steal=True)``: the caller takes the ready step that came last and runs its device
-    step, or the host step where the device step declines, while the thread works (here, waits
-    for a copy); each parameter steps once."""
-    adder = HostAdder()
-    params = [torch.zeros(2, requires_grad=True) for _ in range(4)]
-    host, device = [], []
-
-    def index(param):
-        return next(i for i, p in enumerate(params) if p is param)
-
-    for param in params:
-        adder.add(torch.ones(2), param, None, lambda p: host.append(index(p)),
-                  device=lambda p: device.append(index(p)) or p is not params[1])
-    busy = _Copy()
-    adder.add(torch.ones(2), torch.zeros(2, requires_grad=True), busy)
-    time.sleep(WORKER_SETTLE_S)
-    stealing = threading.Thread(target=adder.join, kwargs={"steal": True})
-    stealing.start()
-    stealing.join(WORKER_SETTLE_S * 10)
-    assert device == [3, 2, 1, 0], "all taken from the back while the thread waited"
-    assert host == [1], "declined by the device, stepped on the host"
-    busy.done.set()
-    stealing.join()
 
 
 def test_host_adder_steps_a_parameter_whose_last_addition_is_known_before_the_join():
@@ -1396,30 +1364,6 @@ def test_a_steps_last_backward_folds_its_gradients_into_their_host_sums_on_the_d
     assert step.micro_batch_s == pytest.approx(added.step_s)
     assert predict_step(graphs, cost, 1, overlapped=False).last_micro_batch_s == pytest.approx(
         simulate(graphs, cost, first=True).step_s)
-
-
-def test_a_folding_backwards_steps_left_at_its_end_are_taken_from_the_back_onto_the_gpu(
-        slow_host_profile):
-    """In a step's last backward, which folds and steps, the steps still queued when the
-    backward's copies are done are worked from both ends: the host thread from the front, the
-    waiting thread from the back onto the GPU, each weight once, the GPU's priced by
-    ``CostModel.device_step_seconds``; the backward ends with the later of the two."""
-    graphs, _ = _streamed_graphs(profile=slow_host_profile)
-    cost = _host_rates(add=1e6, adamw=1e5)
-    last = simulate(graphs, cost, steps=True, folded=True)
-    steps = [h for h in last.host if h.work in ("step", DEVICE_STEP)]
-    on_gpu = [h for h in steps if h.work == DEVICE_STEP]
-    assert on_gpu and len(on_gpu) < len(steps)
-    assert len({h.node for h in steps}) == len(steps) == len(stepped_weights(graphs))
-    copies_done = max(c.end_s for c in last.copies if c.graph == "bw")
-    for h in on_gpu:
-        assert h.start_s >= copies_done
-        assert h.end_s - h.start_s == pytest.approx(cost.device_step_seconds(h.nbytes))
-    assert _one_at_a_time(sorted(on_gpu, key=lambda h: h.start_s))
-    backward_end = max(t.end_s for t in last.timings if t.graph == "bw")
-    assert backward_end == pytest.approx(max(h.end_s for h in steps))
-    assert not any(h.work == DEVICE_STEP for h in simulate(graphs, cost, steps=True).host), \
-        "a backward that does not fold holds no device buffers to step through"
 
 
 @pytest.mark.parametrize("add_rate", [1e10, 1e6], ids=["host-keeps-up", "host-bound"])

@@ -12,7 +12,7 @@ from tabulate import tabulate
 from torch import fx
 
 from storm_compile.cost.cost_model import CostModel
-from storm_compile.cost.simulate import DEVICE_STEP, device_bytes, host_inputs, simulate
+from storm_compile.cost.simulate import device_bytes, host_inputs, simulate
 from storm_compile.fx.graphs import PassRecord, StormGraphs
 from storm_compile.fx.plan import Action, Decision, Storage
 from storm_compile.fx.prediction import Prediction, StepPrediction
@@ -325,8 +325,6 @@ def format_stages(records: Sequence[PassRecord]) -> str:
 LANE_TIDS = {Lane.COMPUTE: 1, Lane.D2H: 2, Lane.H2D: 3}
 HOST_THREAD_TID = 4
 HOST_THREAD_TRACK = "host thread"
-DEVICE_STEPS_TID = 5
-DEVICE_STEPS_TRACK = "optimizer steps on the GPU"
 
 
 def chrome_trace(prediction: Prediction) -> dict[str, object]:
@@ -338,13 +336,9 @@ def chrome_trace(prediction: Prediction) -> dict[str, object]:
     if prediction.host:
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": HOST_THREAD_TID,
                        "args": {"name": HOST_THREAD_TRACK}})
-    if any(h.work == DEVICE_STEP for h in prediction.host):
-        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": DEVICE_STEPS_TID,
-                       "args": {"name": DEVICE_STEPS_TRACK}})
     for h in prediction.host:
         events.append({"name": f"{h.work} {h.node}", "cat": h.graph, "ph": "X", "pid": 1,
-                       "tid": DEVICE_STEPS_TID if h.work == DEVICE_STEP else HOST_THREAD_TID,
-                       "ts": h.start_s * US,
+                       "tid": HOST_THREAD_TID, "ts": h.start_s * US,
                        "dur": (h.end_s - h.start_s) * US, "args": {"bytes": h.nbytes}})
     for t in prediction.timings:
         if t.lane is Lane.COMPUTE and t.end_s > t.start_s:

@@ -347,11 +347,6 @@ DESCRIBED_KEY = "storm_described"
 
 DEVICE_ADD_TRAFFIC = 3
 """An in-place addition reads both operands and writes one of them."""
-STEP_TENSORS_IN = 4
-"""Tensors of a parameter's size AdamW's step on the GPU copies in: the parameter, its gradient
-and both moments."""
-STEP_TENSORS_OUT = 3
-"""Tensors it copies home: the parameter and both moments (the gradient is only read)."""
 
 
 class CostModel:
@@ -479,16 +474,6 @@ class CostModel:
     def host_step_seconds(self, nbytes: int) -> float:
         """Seconds fused AdamW takes on the host to step a parameter of ``nbytes``."""
         return nbytes / self.profile.host_adamw_bandwidth
-
-    def device_step_seconds(self, nbytes: int) -> float:
-        """Seconds AdamW takes on the GPU for a host parameter of ``nbytes`` whose state is of
-        its size (:mod:`storm_compile.runtime.device_step`): :data:`STEP_TENSORS_IN` tensors
-        copied in and :data:`STEP_TENSORS_OUT` home at once, sharing the link, bound by the
-        slower direction (the update itself moves those bytes through device memory at
-        several TB/s)."""
-        return self.profile.copy_latency_s + max(
-            STEP_TENSORS_IN * nbytes / self.bandwidth(Lane.H2D, shared=True),
-            STEP_TENSORS_OUT * nbytes / self.bandwidth(Lane.D2H, shared=True))
 
     def transfer_seconds(self, nbytes: int, lane: Lane) -> float:
         """Seconds to copy ``nbytes`` alone on ``lane`` (``Lane.H2D`` or ``Lane.D2H``)."""

@@ -21,8 +21,7 @@ comes home once a step, and in the step's other micro-batches those gradients co
 addition instead of a copy home and the host's work); with an overlapped optimizer it steps
 each streamed weight once the weight's gradients are all added, between additions while the
 next copy still moves, and after the last. ``wait_host`` holds the end of the backward until the
-host thread is done; in a backward that folds, the steps left then are taken from both ends,
-the last ones onto the GPU, their state over the link (``CostModel.device_step_seconds``). The host is assumed to have launched the backward's kernels ahead of the
+host thread is done. The host is assumed to have launched the backward's kernels ahead of the
 GPU, so a step never waits for the launches to end.
 :func:`predict_step` puts micro-batches and the optimizer together into one optimizer step.
 """
@@ -71,9 +70,6 @@ CHANNELS_LAST_DIMS = 4
 
 FOLD_IN = "fold_in"
 """Tags the copy in of the host sum a folded ``storm.send_grad`` adds its gradient into."""
-DEVICE_STEP = "device step"
-"""A :class:`HostTiming`'s work where the thread that waits for the host thread at the end of
-a backward steps a weight on the GPU (``runtime.device_step``)."""
 
 COPY_DONE_S = 1e-15
 """Latency left below which a copy's latency counts as paid (float round-off of the steps)."""
@@ -229,14 +225,10 @@ class _HostThread:
     def hand_over(self, accumulate: fx.Node) -> None:
         self.adds.append(accumulate)
 
-    def finish_time(self, link: _Link, joined_at: float) -> float:
-        """When the thread is done with every addition (and step) handed over so far, the
-        backward's end waiting for it from ``joined_at`` on: where the backward folds, the
-        waiting thread takes the steps left from the back of the queue onto the GPU
-        (``HostAdder.join``) while the thread takes them from the front."""
+    def finish_time(self, link: _Link) -> float:
+        """When the thread is done with every addition (and step) handed over so far."""
         adds_left = collections.Counter(a.args[1] for a in self.adds)
         ready: collections.deque[fx.Node] = collections.deque()
-        ready_at: dict[fx.Node, float] = {}
         free = 0.0
         for accumulate in self.adds:
             arrives = link.finish_time(_copy_of(accumulate))
@@ -251,24 +243,15 @@ class _HostThread:
             adds_left[weight] -= 1
             if self.steps and adds_left[weight] == 0:
                 ready.append(weight)
-                ready_at[weight] = free
-        stolen = joined_at if self.folded else None
         while ready:
-            if stolen is not None and stolen < free:
-                weight = ready.pop()
-                stolen = self._run(weight, DEVICE_STEP, max(stolen, ready_at[weight]))
-            else:
-                free = self._run(ready.popleft(), "step", free)
+            free = self._run(ready.popleft(), "step", free)
         self.adds.clear()
-        return max(free, stolen or 0.0)
+        return free
 
     def _run(self, node: fx.Node, work: str, start: float) -> float:
         if work in ("add", "keep"):
             nbytes = _storage_bytes(node.args[0])
             end = start + (self.cost.host_add_seconds(nbytes) if work == "add" else 0.0)
-        elif work == DEVICE_STEP:
-            nbytes = _storage_bytes(node)
-            end = start + self.cost.device_step_seconds(nbytes)
         else:
             nbytes = _storage_bytes(node)
             end = start + self.cost.host_step_seconds(nbytes)
@@ -340,7 +323,7 @@ def _walk(gm: fx.GraphModule, name: str, cost: CostModel, link: _Link, host: _Ho
             stall += t - begin
             if node.target is ops.wait_host:
                 copies_done = t
-                t = max(t, host.finish_time(link, joined_at=t))
+                t = max(t, host.finish_time(link))
                 host_wait += t - copies_done
         elif node.target is ops.accumulate_grad:
             if _copy_of(node) not in kept:

@@ -33,13 +33,12 @@ class CopyTiming:
 class HostTiming:
     """One piece of work of storm's host thread: a gradient added into its parameter's
     ``.grad`` (``node`` is its ``storm.accumulate_grad``) or, with an overlapped optimizer, a
-    parameter stepped (``node`` is the parameter's graph input), on the host or the GPU."""
+    parameter stepped (``node`` is the parameter's graph input)."""
 
     graph: str
     node: str
     work: str
-    """``add``, ``keep``, ``step``, or ``device step`` (a step run on the GPU by the thread
-    that waits for the host thread at the backward's end)."""
+    """``add`` or ``step``."""
     start_s: float
     end_s: float
     nbytes: int

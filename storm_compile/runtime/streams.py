@@ -39,17 +39,8 @@ from storm_compile.runtime.cycles import (
     HeldGrad,
     ParameterStep,
     StormOverlapError,
-    group_of,
     held,
     streamed_parameters,
-)
-from storm_compile.runtime.device_step import (
-    DeviceBuffer,
-    StepStreams,
-    device_steppable,
-    on_stream,
-    pin_state,
-    step_on_device,
 )
 
 log = logging.getLogger("storm_compile")
@@ -276,10 +267,21 @@ def fold_device_bytes(largest: int) -> int:
     return FOLD_BUFFERS * min(FOLD_CHUNK_BYTES, largest)
 
 
+@dataclasses.dataclass
+class _FoldBuffer:
+    """A device buffer of :data:`FOLD_CHUNK_BYTES` and the event after which its last chunk has
+    gone home (None before its first use, or off CUDA)."""
+
+    data: torch.Tensor
+    free: torch.cuda.Event | None = None
+
+
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
 Step = Callable[[torch.Tensor], None]
 """Applies the optimizer to one parameter whose gradient is complete."""
-DeviceStep = Callable[[torch.Tensor], bool]
-"""The same step run on a GPU where it can be; whether it was."""
 
 
 @dataclasses.dataclass
@@ -290,7 +292,6 @@ class _PendingStep:
     complete: bool = False
     """Every addition of this backward for it is handed over: it steps once they are done,
     before the backward is all launched."""
-    device: DeviceStep | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,15 +355,13 @@ class HostAdder:
 
     def add(self, x: torch.Tensor, param: torch.Tensor, event: torch.cuda.Event | None,
             step: Step | None = None, norm: torch.Tensor | None = None,
-            folded: bool = False, complete: bool = False,
-            device: DeviceStep | None = None) -> None:
+            folded: bool = False, complete: bool = False) -> None:
         """Add ``x`` into ``param.grad`` once ``event`` (when given) has completed: now when
         there is nothing to wait for and nothing queued, else on the thread; then ``step``
-        it, when given, as the class says (or ``device``, where :meth:`join` takes it).
-        ``norm``: the 2-norm of ``x``, kept in :attr:`norms` while ``param.grad`` is ``x``
-        alone, or, ``folded`` (``x`` is ``param.grad``, the sum the event's copy wrote into
-        it), the 2-norm of that sum; ``complete``: no other addition for ``param`` comes in
-        this backward."""
+        it, when given, as the class says. ``norm``: the 2-norm of ``x``, kept in
+        :attr:`norms` while ``param.grad`` is ``x`` alone, or, ``folded`` (``x`` is
+        ``param.grad``, the sum the event's copy wrote into it), the 2-norm of that sum;
+        ``complete``: no other addition for ``param`` comes in this backward."""
         if step is not None:
             with self._lock:
                 if id(param) in self._stepped:
@@ -372,8 +371,7 @@ class HostAdder:
                         f"learned how many its backwards bring; call storm_compile."
                         f"overlap_optimizer(optimizer, enabled=False) for a loop whose "
                         f"backwards differ")
-                pending = self._steps.setdefault(id(param),
-                                                 _PendingStep(param, step, 0, device=device))
+                pending = self._steps.setdefault(id(param), _PendingStep(param, step, 0))
                 pending.adds_left += 1
                 pending.complete = pending.complete or complete
         if event is None and self._jobs.unfinished_tasks == 0:
@@ -389,22 +387,15 @@ class HostAdder:
         with self._finished:
             self._finished.wait_for(lambda: self._queued[id(param)] == 0)
 
-    def join(self, steal: bool = False) -> None:
+    def join(self) -> None:
         """Run the pending steps, wait until every queued addition and step is done; raise the
-        first error one hit. ``steal``: meanwhile, the caller takes steps from the other end
-        of the queue (:meth:`_steal`)."""
-        stolen_error = None
+        first error one hit."""
         if self._steps:
             self._launched.set()
             self._put(None)
-            if steal:
-                try:
-                    self._steal()
-                except BaseException as error:  # noqa: BLE001 - raised once the thread is done
-                    stolen_error = error
         self._jobs.join()
         self._launched.clear()
-        error, self._error = self._error or stolen_error, None
+        error, self._error = self._error, None
         leftover = [p.param for p in self._steps.values()]
         self._steps.clear()
         self._stepped.clear()
@@ -414,32 +405,6 @@ class HostAdder:
         if leftover:
             raise RuntimeError(f"storm: {len(leftover)} parameters' optimizer steps did not "
                                f"run: their gradients did not all arrive")
-
-    def _steal(self) -> None:
-        """Until no step is left: take the ready step that came last (the parameter whose
-        gradients completed last in the backward, whose host step would end it) and run it on
-        a GPU (its ``device`` step), or on the host where that cannot take it, while the
-        thread takes steps from the front of the queue."""
-        while True:
-            with self._finished:
-                self._finished.wait_for(self._stealable)
-            with self._lock:
-                key = next((k for k in reversed(self._steps) if self._steps[k].adds_left == 0),
-                           None)
-                if key is None:
-                    if not self._steps or self._done >= self._handed_over:
-                        return                  # none left, or none will be ready: join says
-                    continue
-                pending = self._steps.pop(key)
-                self._stepped.add(key)
-            if pending.device is None or not pending.device(pending.param):
-                pending.step(pending.param)
-
-    def _stealable(self) -> bool:
-        """Called holding ``_finished``: a step is ready, none is left, or the thread is done."""
-        with self._lock:
-            return not self._steps or self._done >= self._handed_over \
-                or any(p.adds_left == 0 for p in self._steps.values())
 
     def settle(self) -> None:
         """Wait until every job handed over so far is done; raise the first error one hit."""
@@ -482,11 +447,8 @@ class HostAdder:
                         if not self._step_one():
                             event.synchronize()
                     self._add_now(x, param, counted, norm, time.perf_counter() - begin, folded)
-                if job is not None and not self._jobs.empty():
-                    self._step_one()            # the next additions make more steps ready
-                else:
-                    while self._step_one():
-                        pass
+                while self._step_one():
+                    pass
             except BaseException as error:  # noqa: BLE001 - handed to join
                 self._error = self._error or error
             finally:
@@ -650,14 +612,11 @@ class TransferRuntime:
         self._folded: set[int] = set()
         """The data pointers of ``.grad`` tensors a fold wrote a gradient into, until the host
         thread is handed them (:meth:`accumulate`)."""
-        self._fold_buffers: dict[torch.device, list[DeviceBuffer]] = {}
+        self._fold_buffers: dict[torch.device, list[_FoldBuffer]] = {}
         self._fold_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.fold_chunk_bytes = FOLD_CHUNK_BYTES
         self.folds = 0
         """Gradients folded into their host sums on the device so far."""
-        self._update_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self.device_steps = 0
-        """Parameters stepped on a GPU at the end of a backward so far (:meth:`HostAdder.join`)."""
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._d2h:
@@ -871,7 +830,7 @@ class TransferRuntime:
             home.wait_stream(torch.cuda.current_stream(grad.device))
         squares = None
         if self.norms_wanted:
-            with on_stream(home):
+            with _on(home):
                 squares = torch.zeros((), dtype=torch.float32, device=grad.device)
         with torch.no_grad():
             for index, start in enumerate(range(0, len(rows), per_chunk)):
@@ -879,14 +838,14 @@ class TransferRuntime:
                 host = rows[start:start + per_chunk]
                 chunk = buffer.data[:host.numel() * host.element_size()].view(
                     host.dtype).view(host.shape)
-                with on_stream(load):
+                with _on(load):
                     if buffer.free is not None:
                         load.wait_event(buffer.free)
                     chunk.copy_(host, non_blocking=cuda)
                     loaded = torch.cuda.Event() if cuda else None
                     if loaded is not None:
                         loaded.record(load)
-                with on_stream(home):
+                with _on(home):
                     if loaded is not None:
                         home.wait_event(loaded)
                     chunk.add_(sources[start:start + per_chunk])
@@ -900,13 +859,13 @@ class TransferRuntime:
         if cuda:
             self._launched[total.data_ptr()] = LaunchedCopy(home, grad.device, True, None)
         if squares is not None:
-            with on_stream(home):
+            with _on(home):
                 self._sent_norms[total.data_ptr()] = squares.sqrt()
         self._folded.add(total.data_ptr())
         self.folds += 1
         return total
 
-    def _fold_buffers_of(self, device: torch.device, nbytes: int) -> list[DeviceBuffer]:
+    def _fold_buffers_of(self, device: torch.device, nbytes: int) -> list[_FoldBuffer]:
         """The device's fold buffers, of at least ``nbytes`` each: made on the fold stream at
         the first fold that needs them this large, once the fold stream has waited for every
         use of the smaller ones they replace, so that the allocator hands their memory to
@@ -918,12 +877,12 @@ class TransferRuntime:
             stream = None
             if device.type == "cuda":
                 stream = self._fold_streams.setdefault(device, torch.cuda.Stream(device=device))
-            with on_stream(stream):
+            with _on(stream):
                 for buffer in held:
                     if buffer.free is not None:
                         stream.wait_event(buffer.free)
                 self._fold_buffers[device] = [
-                    DeviceBuffer(torch.empty(nbytes, dtype=torch.uint8, device=device))
+                    _FoldBuffer(torch.empty(nbytes, dtype=torch.uint8, device=device))
                     for _ in range(FOLD_BUFFERS)]
         return self._fold_buffers[device]
 
@@ -975,13 +934,10 @@ class TransferRuntime:
         self._carried = True
         self._unguarded = self._unguarded or not getattr(param, "storm_streamed", False)
         stepper = self.stepper or self._learned_stepper(param)
-        step = device = None
-        if stepper is not None:
-            step = functools.partial(self._step, stepper)
-            device = functools.partial(self._step_on_device, stepper)
+        step = None if stepper is None else functools.partial(self._step, stepper)
         self._stepping = self._stepping or step is not None
         complete = self._complete(param) and step is not None
-        self._adder.add(x, param, event, step, norm, folded, complete, device)
+        self._adder.add(x, param, event, step, norm, folded, complete)
 
     def sent(self, host: torch.Tensor, grad: torch.Tensor) -> None:
         """``grad`` is on its way home into ``host``: while :attr:`norms_wanted`, take its
@@ -1093,42 +1049,13 @@ class TransferRuntime:
         return False
 
     def _step(self, stepper: ParameterStep, param: torch.Tensor) -> None:
-        """Step ``param`` on the host once no copy launched from it still reads it."""
-        self._before_step(param)
-        stepper(param)
-        self._after_step(stepper, param)
-
-    def _step_on_device(self, stepper: ParameterStep, param: torch.Tensor) -> bool:
-        """Step ``param`` on the GPU whose fold buffers this process holds
-        (:mod:`storm_compile.runtime.device_step`), where it can: a pinned ``param`` and
-        ``.grad``, an optimizer that :func:`device_steppable` accepts. Whether it did."""
-        grad = _TENSOR_GRAD.__get__(param)
-        cuda = [d for d in self._fold_buffers if d.type == "cuda"]
-        if not cuda or grad is None or not param.is_pinned() or not grad.is_pinned():
-            return False
-        group = group_of(stepper.optimizer, param)
-        if not device_steppable(stepper.optimizer, group, param, grad):
-            return False
-        device = cuda[0]
-        if device not in self._update_streams:
-            self._update_streams[device] = torch.cuda.Stream(device=device)
-        streams = StepStreams(self._fold_streams[device], self._update_streams[device],
-                              self.d2h_stream(device))
-        self._before_step(param)
-        pin_state(stepper.optimizer, param)
-        step_on_device(stepper.optimizer, {**group, "params": [param]}, param, grad,
-                       self._fold_buffers[device], streams)
-        self._after_step(stepper, param)
-        self.device_steps += 1
-        return True
-
-    def _before_step(self, param: torch.Tensor) -> None:
+        """Step ``param`` once no copy launched from it still reads it; unless the step keeps
+        it, set its ``.grad`` to None as the host thread (no wait for the thread itself)."""
         reading = self._host_reads.pop(param.data_ptr(), None)
         if reading is not None:
             reading.synchronize()
         self._stepped_ptrs.add(param.data_ptr())
-
-    def _after_step(self, stepper: ParameterStep, param: torch.Tensor) -> None:
+        stepper(param)
         self._thread_steps[param.data_ptr()] += 1
         if not stepper.keep_grad:
             _TENSOR_GRAD.__set__(param, None)
@@ -1150,7 +1077,7 @@ class TransferRuntime:
     def _end_of_backward(self) -> None:
         self._joined_task = None
         if self._stepping or (self._unguarded and not self._deferring):
-            self._adder.join(steal=self._stepping)
+            self._adder.join()
         else:
             self._adder.wait_for(self._previous_backward)
             self._previous_backward = self._adder.handed_over()

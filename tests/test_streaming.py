@@ -49,6 +49,7 @@ from storm_compile.passes import (
 from storm_compile.planner.step_budget import RunRoom, StepBudget
 from storm_compile.runtime import ops
 from storm_compile.runtime import streams
+from storm_compile.runtime.cycles import ParameterStep
 from storm_compile.runtime.streams import (
     HostAdder,
     PinnedPool,
@@ -740,7 +741,7 @@ def test_a_gradient_counted_as_in_the_two_backwards_before_is_its_parameters_las
         assert not runtime._complete(kept)
         if backward < 2:
             runtime._learn_counts()
-    runtime._step(lambda param: None, weight)
+    runtime._step(ParameterStep(torch.optim.SGD([weight], lr=0.1), keep_grad=True), weight)
     with pytest.raises(StormOverlapError, match="read a streamed weight .* after its optimizer"):
         runtime.copy_from_host(copy, weight)
     runtime._learn_counts()

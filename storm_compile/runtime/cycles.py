@@ -205,18 +205,15 @@ def group_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
     return group
 
 
-def step_alone(optimizer: torch.optim.Optimizer, group: dict, state=None) -> None:
+def step_alone(optimizer: torch.optim.Optimizer, group: dict) -> None:
     """Run ``optimizer``'s update over ``group`` (its settings and ``"params"``) alone, through
-    a shallow copy of ``optimizer`` holding only that group: ``optimizer``'s own groups are
-    never changed, so another thread may step it at the same time, and neither the global nor
-    its own step hooks run (they run in the user's ``optimizer.step()``). ``state``: the
-    per-parameter state the update reads and writes, ``optimizer.state`` when None."""
+    a shallow copy of ``optimizer`` that holds only that group and shares its state: the
+    host thread steps a parameter so while the user's code may read ``optimizer`` (its groups
+    are never changed), and neither the global nor the optimizer's own step hooks run (they
+    run once, in the user's ``optimizer.step()``)."""
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
-    view.__dict__.pop("step", None)      # an LR scheduler's wrapper of the original's step
     view.param_groups = [group]
-    if state is not None:
-        view.state = state
     update = type(optimizer).step
     if getattr(update, "hooked", False):    # Optimizer.profile_hook_step, which runs the hooks
         update = update.__wrapped__

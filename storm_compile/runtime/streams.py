@@ -1050,7 +1050,7 @@ class TransferRuntime:
 
     def _step(self, stepper: ParameterStep, param: torch.Tensor) -> None:
         """Step ``param`` once no copy launched from it still reads it; unless the step keeps
-        it, set its ``.grad`` to None as the host thread (no wait for the thread itself)."""
+        its ``.grad``, set that to None so that ``optimizer.step()`` skips it."""
         reading = self._host_reads.pop(param.data_ptr(), None)
         if reading is not None:
             reading.synchronize()
@@ -1058,7 +1058,7 @@ class TransferRuntime:
         stepper(param)
         self._thread_steps[param.data_ptr()] += 1
         if not stepper.keep_grad:
-            _TENSOR_GRAD.__set__(param, None)
+            param.grad = None
 
     def wait_host(self) -> None:
         """At the end of the autograd engine's backward pass, or now outside one: wait for

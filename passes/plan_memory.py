@@ -21,7 +21,9 @@ largest first, while their host time stays within ``NO_BUDGET_SHARE`` of ``max_o
 Whatever the goal, the offloads taken hold at most the host's room in pinned memory
 (``host_memory_limit`` less the step's other graphs' offloads, in the pool's buckets): past
 it, an offload is recomputed instead when it can be (``Figures.host_full``), else refused
-(kept, ``Held.HOST_MEMORY``).
+(kept, ``Held.HOST_MEMORY``); when refusals leave a byte target unmet, the choice is made
+again with the refused storages' room reserved, so that storages which can be recomputed make
+way for them.
 
 Why this is near-optimal: meeting a byte target at least cost is a covering knapsack; taking
 items by cost per byte solves its fractional relaxation exactly, so the plan costs at most the
@@ -358,14 +360,19 @@ class _Ways:
     """Offloads past the host's room that cannot be recomputed instead."""
 
 
-def _unchained(items: list[_Item], room: int, compact: frozenset[fx.Node]) -> _Ways:
+def _unchained(items: list[_Item], room: int, compact: frozenset[fx.Node],
+               reserved: frozenset[fx.Node] = frozenset()) -> _Ways:
     """``items`` split into :class:`_Ways`, their offloads holding at most ``room`` bytes of
     pinned host memory together: an offload past it is recomputed instead when it can be (and
     its recomputation clashes with none taken, :class:`_Rebuilds` over ``compact``), else
-    refused."""
+    refused. The room of the storages ``reserved`` (roots) is kept for them until they come:
+    no other offload takes it."""
+    pending = sum(_host_bytes(i) for i in items if i.root in reserved)
     rebuilds, first, later, refused, held = _Rebuilds(compact), [], [], [], 0
     for item in items:
-        if item.action is Action.OFFLOAD and held + _host_bytes(item) > room:
+        own = _host_bytes(item) if item.root in reserved else 0
+        pending -= own
+        if item.action is Action.OFFLOAD and held + _host_bytes(item) + pending > room:
             if item.figures.recompute_s is None:
                 refused.append(item)
                 continue
@@ -375,13 +382,15 @@ def _unchained(items: list[_Item], room: int, compact: frozenset[fx.Node]) -> _W
                 refused.append(item)
             else:
                 later.append(_offloaded(item))
+                pending += own
             continue
         rebuilds.take(item)
         first.append(item)
         held += _host_bytes(item) if item.action is Action.OFFLOAD else 0
     fitting = []
     for item in sorted(later, key=_rank):
-        if held + _host_bytes(item) > room:
+        pending -= _host_bytes(item) if item.root in reserved else 0
+        if held + _host_bytes(item) + pending > room:
             refused.append(item)
         else:
             fitting.append(item)
@@ -485,14 +494,25 @@ def _covering(items: list[_Item], need: int, room: int, compact: frozenset[fx.No
               ) -> tuple[list[_Item], list[_Item]]:
     """The shortest prefix of ``items`` (:func:`_unchained` with ``room``) whose bytes reach
     ``need``, less the items, dearest per byte first, that it still reaches ``need`` without
-    (so memory lands close to the budget); and the items refused for the host's room."""
-    ways = _unchained(items, room, compact)
-    taken, covered = [], 0
-    for item in (*ways.first, *ways.later):
-        if covered >= need:
+    (so memory lands close to the budget); and the items refused for the host's room.
+
+    When the host's room refused storages that cannot be recomputed and the prefix falls
+    short, the choice is made again with their room reserved, so that storages which can be
+    recomputed are recomputed to make way for them, until it reaches ``need`` or refuses no
+    new storage."""
+    reserved: frozenset[fx.Node] = frozenset()
+    while True:
+        ways = _unchained(items, room, compact, reserved)
+        taken, covered = [], 0
+        for item in (*ways.first, *ways.later):
+            if covered >= need:
+                break
+            taken.append(item)
+            covered += item.nbytes
+        refused = reserved | {i.root for i in ways.refused}
+        if covered >= need or refused == reserved:
             break
-        taken.append(item)
-        covered += item.nbytes
+        reserved = refused
     for item in reversed(list(taken)):
         if covered - item.nbytes >= need:
             taken.remove(item)

@@ -373,6 +373,23 @@ def test_offloads_never_pass_host_memory_limit_and_the_rest_is_recomputed():
     assert simulate(graphs, cost_model()).activation_bytes <= graphs.plan.target_bytes
 
 
+def test_the_host_room_goes_first_to_offloads_that_cannot_be_recomputed():
+    """At 0.06 with room on the host for only the offloads that cannot be recomputed, the
+    storages that could take that room more cheaply per byte are recomputed instead, and the
+    budget is met (the room taken in rank order left none for the others: a
+    ``StormBudgetError``)."""
+    unbounded = capture("gpt", **_budget_options(0.06))
+    must = [s for s, d in unbounded.storages
+            if d.action is Action.OFFLOAD and d.figures.recompute_s is None]
+    limit = sum(bucket_bytes(s.nbytes) for s in must)
+    assert must and limit < _offloaded_host_bytes(unbounded) + sum(
+        bucket_bytes(s.nbytes) for s, _ in unbounded.plan.recomputed)
+    graphs = capture("gpt", **_budget_options(0.06), host_memory_limit=limit)
+    assert _offloaded_host_bytes(graphs) <= limit
+    assert any(d.figures.host_full for _, d in graphs.plan.recomputed)
+    assert simulate(graphs, cost_model()).activation_bytes <= graphs.plan.target_bytes
+
+
 def test_a_budget_the_host_cannot_hold_names_host_memory_limit():
     with pytest.raises(BackendCompilerFailed) as caught:
         step("gpt", storm(**{**PLAN_OPTIONS, "offload": "all", "recompute": False,

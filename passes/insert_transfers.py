@@ -214,16 +214,19 @@ def _offload_in_forward(graph: fx.Graph, root: fx.Node, issue: fx.Node, anchor: 
 
 def _prefetch_in_backward(graph: fx.Graph, members: dict[fx.Node, fx.Node],
                           inputs: dict[fx.Node, fx.Node], prefetch_after: fx.Node | None,
-                          device: torch.device, packed: torch.Tensor | None) -> None:
+                          device: torch.device, packed: torch.Tensor | None,
+                          order: dict[fx.Node, int]) -> None:
     """``members`` maps each backward input of the storage to the saved forward value;
     ``inputs`` every saved forward value to its backward input. Symbolic sizes in the replayed
     views are the backward's inputs that receive them (``plan_offload`` lets a view move only
     when the sizes it uses are saved). ``packed``: the storage's tensor, where its copies hold
-    it in fp8 (rebuilt right after the wait); None when they hold it as it is."""
+    it in fp8 (rebuilt right after the wait); None when they hold it as it is. ``order``: the
+    backward's node positions before any rewrite, which the storage's views and readers keep
+    among themselves while other storages' copies are inserted and their views move (a view
+    has one base, so it moves with one storage only, and readers never move)."""
     placeholders = list(members)
     source = placeholders[0]
     users = {h: list(h.users) for h in placeholders}
-    order = {n: i for i, n in enumerate(graph.nodes)}
     closures = [view_closure(h, order) for h in placeholders]
     first_use = min((r for _, readers in closures for r in readers), key=order.__getitem__)
     anchor = graph.find_nodes(op="placeholder")[-1] if prefetch_after is None \
@@ -342,7 +345,8 @@ def insert_transfers(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
         value = storage.root.meta["val"]
         _prefetch_in_backward(graphs.backward.graph, members, inputs, placement.prefetch_after,
                               value.device,
-                              value if fp8.compresses(value, ctx.config.offload_format) else None)
+                              value if fp8.compresses(value, ctx.config.offload_format) else None,
+                              backward_order)
         for member in storage.members:
             for view in reversed(view_chain(member)):
                 if not view.users:

@@ -10,7 +10,9 @@ graph under a byte budget, :func:`plan_within_budget` searches among plans; it p
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
 import warnings
@@ -480,12 +482,40 @@ def _over_budget(budget: int, room: int, least: _PeakAt, asked: StormConfig
         f"and streamed weights may be copied ahead), or use fewer tokens per micro-batch")
 
 
+@contextlib.contextmanager
+def _without_cycle_collection():
+    """Python's cycle collector off while storm plans, as it was after. Planning makes and drops
+    copies of graphs of hundreds of thousands of nodes, each node in reference cycles, and the
+    collector's full passes rescan every one of them: on the 2-core CPU, for the 70B Llama shape
+    at 40 layers (``storm schedule llama --preset 70b --layers 40 --seq 2048 --batch 4 --stream
+    --lora 16 --host-format nf4 --memory-budget 12GiB``), tracing and planning took 75 s with it
+    on while storm planned and 64 s with it off, the same plan, the process's peak resident
+    memory 0.95 and 1.13 GiB. The copies the search drops are freed by the collector's first
+    pass once it is back on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext, step: StepBudget,
                     observer: Callable[[StormGraphs], None] | None = None,
                     **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Plan and rewrite one graph of the step whose ledger is ``step``: its passes plan against
     the step's other graphs (:meth:`StepBudget.view`), and the ledger records the share of the
-    plan they return (the one place the ledger is written during planning)."""
+    plan they return (the one place the ledger is written during planning), with Python's cycle
+    collector off (:func:`_without_cycle_collection`)."""
+    with _without_cycle_collection():
+        return _partition(joint, joint_inputs, ctx=ctx, step=step, observer=observer,
+                          **partition_kwargs)
+
+
+def _partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext, step: StepBudget,
+               observer: Callable[[StormGraphs], None] | None,
+               **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
     graph = step.next_graph()
     ctx = dataclasses.replace(ctx, others=step.view(graph))
     # 1. capture: AOTAutograd traced the joint graph; the joint-graph passes fetch streamed

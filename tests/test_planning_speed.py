@@ -3,6 +3,7 @@ never generated, the
 storage decisions once per plan that differs in more than the room for resident weights, and
 the placement's and rewrite's shortcuts give what the long way gives. Counts, never timings."""
 
+import gc
 import importlib
 import random
 
@@ -84,6 +85,21 @@ def test_a_budget_partitions_once(monkeypatch):
     distinct = {names for names in recomputed if names}
     assert len(recomputed) > 1 and len(distinct) > 1, "the budget makes re-plans that recompute"
     assert len(partitions) == 1
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_cycle_collector_is_off_while_storm_plans_and_as_it_was_after(monkeypatch, enabled):
+    """Planning drops copies of large graphs full of reference cycles: the collector's passes
+    over them are skipped while storm plans, and the user's setting stands after."""
+    seen = []
+    _counting(monkeypatch, pipeline, "plan_within_budget", seen, lambda graphs: gc.isenabled())
+    (gc.enable if enabled else gc.disable)()
+    try:
+        _streamed_graphs(offload="hidden", memory_budget=0.5)
+        assert seen == [False]
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
 
 
 def test_the_joint_graph_never_generates_its_code():

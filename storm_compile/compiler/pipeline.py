@@ -501,6 +501,7 @@ def _without_cycle_collection():
             gc.enable()
 
 
+@_without_cycle_collection()
 def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext, step: StepBudget,
                     observer: Callable[[StormGraphs], None] | None = None,
                     **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -508,14 +509,6 @@ def storm_partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext, st
     the step's other graphs (:meth:`StepBudget.view`), and the ledger records the share of the
     plan they return (the one place the ledger is written during planning), with Python's cycle
     collector off (:func:`_without_cycle_collection`)."""
-    with _without_cycle_collection():
-        return _partition(joint, joint_inputs, ctx=ctx, step=step, observer=observer,
-                          **partition_kwargs)
-
-
-def _partition(joint: fx.GraphModule, joint_inputs, *, ctx: PassContext, step: StepBudget,
-               observer: Callable[[StormGraphs], None] | None,
-               **partition_kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
     graph = step.next_graph()
     ctx = dataclasses.replace(ctx, others=step.view(graph))
     # 1. capture: AOTAutograd traced the joint graph; the joint-graph passes fetch streamed

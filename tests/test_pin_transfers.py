@@ -245,6 +245,42 @@ def test_golden_a_dequantization_that_inlines_its_code_book_goes_back_to_its_anc
     assert _names(pin.pin_transfers(inductor)) == ["a", "r", "q", "p2", "c", "wt2", "d"]
 
 
+def test_golden_a_prefetch_after_a_dequantization_goes_before_the_matmul_that_reads_it():
+    """Inductor lists what it inlined into a fallback or extern kernel's inputs among that
+    kernel's origins: the matmul ``c`` names the dequantization ``q`` it reads, which a kernel
+    of its own computes. ``q`` moves with the weight's copy and anchors nothing, so the next
+    prefetch, which storm put after ``q``, goes before ``c``, not after it, where its copy would
+    start only when that matmul ends (the 70B's feed-forward weights waited so)."""
+    _, n, s = _resident_weight_graph()
+    s["c"].node.origins = {n["q"], n["c"]}
+    inductor = [s[k] for k in ("r", "q", "p2", "wt2", "a", "c", "d")]
+    assert _names(pin.pin_transfers(inductor)) == ["a", "r", "q", "p2", "c", "wt2", "d"]
+
+
+def test_golden_a_prefetch_whose_anchor_inductor_fused_late_goes_before_its_successor():
+    """Inductor fuses ``g`` (a gate's activation) into the kernel of ``e``, after the matmul
+    ``c`` that storm put after the prefetch ``p``, whose time the copy was to overlap: ``p``
+    goes right before ``c`` (after ``g``'s kernel it would start when ``c`` ended)."""
+    graph = fx.Graph()
+    x, y, w = graph.placeholder("x"), graph.placeholder("y"), graph.placeholder("w")
+    a = graph.call_function(aten.relu.default, (x,), name="a")
+    g = graph.call_function(aten.neg.default, (a,), name="g")
+    p = graph.call_function(ops.prefetch, (w, "cuda"), name="p")
+    c = graph.call_function(aten.mm.default, (a, y), name="c")
+    e = graph.call_function(aten.add.Tensor, (g, c), name="e")
+    wt = graph.call_function(ops.wait_event, (p,), name="wt")
+    d = graph.call_function(aten.mm.default, (e, wt), name="d")
+    graph.output((d,))
+    ge = _SNode(e, [a, c])
+    ge.name = "ge"
+    ge.node.origins = {g, e}
+    s = {"a": _SNode(a, []), "p": _SNode(p, []), "c": _SNode(c, [a]), "ge": ge,
+         "wt": _SNode(wt, [p]), "d": _SNode(d, [e, wt])}
+    s["d"].unmet_dependencies = [_Dep("ge"), _Dep("wt")]
+    inductor = [s[k] for k in ("p", "a", "c", "ge", "wt", "d")]
+    assert _names(pin.pin_transfers(inductor)) == ["a", "p", "c", "ge", "wt", "d"]
+
+
 def test_each_placement_is_a_debug_line(caplog):
     s = _layers()
     breadth_first = [s[n] for n in ("p", "p2", "a", "wt", "c", "wt2", "d", "s")]
@@ -253,8 +289,8 @@ def test_each_placement_is_a_debug_line(caplog):
     assert _names(result) == ["a", "p", "wt", "c", "p2", "wt2", "d", "s"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pin_transfers")]
     assert len(lines) == 4
-    assert "pin_transfers: p2 after c (kernel 4, 4 with its overlap), first reader kernel 6: " \
-           "kernel 4 of 8, was 1" in lines
+    assert "pin_transfers: p2 after c (kernel 4, 4 with its overlap), before kernel 6, first " \
+           "reader kernel 6: kernel 4 of 8, was 1" in lines
 
 
 def test_golden_a_kernel_computing_from_constants_alone_anchors_nothing():
@@ -392,7 +428,7 @@ def test_inductor_runs_it_on_storm_graphs_and_gradients_match(monkeypatch):
     assert seen, "Inductor did not run the pass"
     for result in seen:
         transfers, kernel_of, _ = pin.placed(result)
-        earliest = pin._earliest(kernel_of)
+        earliest, latest = pin._earliest(kernel_of), pin._latest(kernel_of, len(result))
         readers = pin.first_readers(result, transfers, pin.dependencies(result)[0])
         for index, snode in enumerate(result):
             node = transfers.get(id(snode))
@@ -403,9 +439,10 @@ def test_inductor_runs_it_on_storm_graphs_and_gradients_match(monkeypatch):
                          if {*p.get_buffer_names(), *p.get_operation_names()}
                          & {d.name for d in snode.unmet_dependencies}]
             assert all(i < index < reader for i in producers)
-            if reader <= anchor:    # Inductor runs its reader before (or with) its anchor
-                between = [s for s in result[index + 1:reader] if id(s) not in transfers]
-                assert between == [], f"{node.name} is not right before its reader"
+            limit = min(reader, latest(node))
+            if limit <= anchor:     # Inductor runs its reader or successor before its anchor
+                between = [s for s in result[index + 1:limit] if id(s) not in transfers]
+                assert between == [], f"{node.name} is not right before its reader or successor"
                 continue
             assert index > anchor
             between = [s for s in result[max([anchor, *producers]) + 1:index]

@@ -24,8 +24,12 @@ Guarantees: the result is a topological order of the same nodes; compute kernels
 its anchor's kernel (for a copy home's wait, and after the kernels that keep its copy's
 overlap) as its dependencies allow
 (never before a kernel it reads, never after a kernel that reads it), or right before the
-first compute kernel that reads it (directly or through other transfers) when Inductor put
-that kernel before the anchor's. A prefetch's wait anchored after a node that Inductor ran
+first compute kernel that reads it (directly or through other transfers) or, but for a copy
+home's wait, the kernel of its *successor* (the first compute node after it in the FX graph),
+when Inductor put that kernel before the anchor's. Inductor fuses a gate's activation into the
+kernel that multiplies it by the up projection, after that matmul: a prefetch storm put
+between the activation and the matmul, anchored after the fused kernel, started its copy only
+when the matmul ended. A prefetch's wait anchored after a node that Inductor ran
 late (one only saved for the backward) would otherwise hold back its reader and every kernel
 after it, and the prefetches of later layers would run first (Inductor's CPU kernels of the
 built-in gpt have such waits). Inductor's ``MultiOutput`` that hands out what a transfer's
@@ -150,6 +154,17 @@ def _anchor(node: fx.Node, kernel_of: dict[fx.Node, int]) -> int:
     return _START if anchor is None else kernel_of[anchor]
 
 
+def _successor(node: fx.Node, kernel_of: dict[fx.Node, int], end: int) -> int:
+    """Index of the kernel of the first compute node after ``node`` in its FX graph (``end``
+    if there is none)."""
+    following = node.next
+    while following.op != "root":
+        if _is_compute(following, kernel_of):
+            return kernel_of[following]
+        following = following.next
+    return end
+
+
 def _copy_of(wait: fx.Node) -> fx.Node | None:
     """The copy home ``wait`` waits on, through its ``record_event``; None if it is not one."""
     record = wait.args[0] if wait.target is ops.wait_event else None
@@ -205,6 +220,16 @@ def _earliest(kernel_of: dict[fx.Node, int]) -> Callable[[fx.Node], int]:
     return after
 
 
+def _latest(kernel_of: dict[fx.Node, int], end: int) -> Callable[[fx.Node], int]:
+    """For a transfer's FX node, the index of the kernel it goes right before at the latest:
+    its successor's (:func:`_successor`), the first compute storm put after it, whose time it
+    was placed to overlap; ``end`` for the wait of a copy home, which :func:`_earliest` may
+    place past later compute to keep that copy's overlap."""
+    def before(node: fx.Node) -> int:
+        return end if _copy_of(node) is not None else _successor(node, kernel_of, end)
+    return before
+
+
 def dependencies(snodes: list[Any]) -> tuple[dict[int, list[Any]], dict[int, int]]:
     """Each scheduler node's successors (the nodes that depend on it) and the number of nodes
     it depends on, by ``id``, from their ``unmet_dependencies``."""
@@ -255,7 +280,12 @@ def placed(snodes: list[Any]) -> Placed | None:
     a pointwise node into each kernel that reads it (a cast of the embedding's output, into
     the first norm and the layer's last residual addition), and copies an input of a fallback
     kernel in a kernel of its own, with the fallback's node as its origin, which it may run
-    long before the fallback."""
+    long before the fallback. Inductor also lists among a fallback or extern kernel's origins
+    what it inlined into that kernel's inputs: a matmul names the dequantization of the weight it
+    reads, which a kernel placed like a transfer computes. Such a node is computed in two
+    kernels too, and anchors nothing: as the matmul's, it put the next weight's prefetch, which
+    storm placed before that matmul, after it (the copy then started only when the matmul
+    ended)."""
     graph = next((t.graph for s in snodes if (t := _transfer_node(s)) is not None), None)
     if graph is None:
         return None
@@ -266,11 +296,12 @@ def placed(snodes: list[Any]) -> Placed | None:
     kernels: dict[fx.Node, set[int]] = {}
     for index, snode in enumerate(snodes):
         origins = _origins(snode)
-        if id(snode) not in pinned and not all(o in free for o in origins):
+        if not all(o in free for o in origins):
             for origin in origins:
                 kernels.setdefault(origin, set()).add(index)
     return Placed(pinned, {origin: min(found) for origin, found in kernels.items()
-                           if len(found) == 1}, order)
+                           if len(found) == 1 and id(snodes[min(found)]) not in pinned},
+                  order)
 
 
 def pin_transfers(snodes: list[Any]) -> list[Any]:
@@ -282,8 +313,9 @@ def pin_transfers(snodes: list[Any]) -> list[Any]:
     transfers, kernel_of, order = found
     successors, waiting = dependencies(snodes)
     after, readers = _earliest(kernel_of), first_readers(snodes, transfers, successors)
-    key = {id(s): (min((after(transfers[id(s)]), 1), (readers[id(s)], -1))
-                   + (order[transfers[id(s)]],) if id(s) in transfers else (index, 0, 0))
+    before = _latest(kernel_of, len(snodes))
+    key = {id(s): (min((after(t), 1), (readers[id(s)], -1), (before(t), -1)) + (order[t],)
+                   if (t := transfers.get(id(s))) is not None else (index, 0, 0))
            for index, s in enumerate(snodes)}
 
     ready = [(key[id(s)], id(s), s) for s in snodes if waiting[id(s)] == 0]
@@ -300,26 +332,27 @@ def pin_transfers(snodes: list[Any]) -> list[Any]:
         raise RuntimeError(f"storm: pinning transfers found a dependency cycle among "
                            f"{len(snodes) - len(result)} scheduler nodes")
     if log.isEnabledFor(logging.DEBUG):
-        _log_placements(snodes, result, transfers, kernel_of, after, readers)
+        _log_placements(snodes, result, transfers, kernel_of, after, before, readers)
     return result
 
 
 def _log_placements(given: list[Any], result: list[Any], transfers: dict[int, fx.Node],
                     kernel_of: dict[fx.Node, int], after: Callable[[fx.Node], int],
-                    readers: dict[int, int]) -> None:
-    """One debug line per placed kernel: its FX node, its anchor and that anchor's kernel, its
-    first reader, and where it is and was (the anchor's, the reader's and where it was index
-    Inductor's order; where it is, the result)."""
+                    before: Callable[[fx.Node], int], readers: dict[int, int]) -> None:
+    """One debug line per placed kernel: its FX node, its anchor and that anchor's kernel, the
+    kernel it goes before at the latest, its first reader, and where it is and was (the
+    anchor's, the successor's, the reader's and where it was index Inductor's order; where it
+    is, the result)."""
     now = {id(s): i for i, s in enumerate(result)}
     for was, snode in enumerate(given):
         if id(snode) in transfers:
             node = transfers[id(snode)]
             anchor = _anchor_node(node, kernel_of)
-            log.debug("pin_transfers: %s after %s (kernel %d, %d with its overlap), first "
-                      "reader kernel %d: kernel %d of %d, was %d", node.name,
+            log.debug("pin_transfers: %s after %s (kernel %d, %d with its overlap), before "
+                      "kernel %d, first reader kernel %d: kernel %d of %d, was %d", node.name,
                       anchor.name if anchor is not None else "the start",
                       _START if anchor is None else kernel_of[anchor], after(node),
-                      readers[id(snode)], now[id(snode)], len(result), was)
+                      before(node), readers[id(snode)], now[id(snode)], len(result), was)
 
 
 def inductor_patches() -> dict[str, Any]:

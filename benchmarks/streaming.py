@@ -45,7 +45,8 @@ Two parts, both optional:
   waits: on copies (exposed transfers) and on the host (additions and optimizer), its predicted
   device peak (the largest of its graphs'), and in ``results.json`` the ops it predicts the most
   compute time for; with ``--profile``, one more step of the listed methods traced, and where its
-  compute stream sat idle.
+  compute stream sat idle; with ``--peak-history``, one more step whose allocator history gives
+  what is live at its peak (:mod:`benchmarks.peak_history`).
 
     python -m benchmarks.streaming --out DIR [--preset 3b] [--cap-gib 16] [--tokens 2048,4096]
         [--micro-batches 1,4] [--loss-steps 100] [--methods compile,storm,fsdp2-offload]
@@ -89,6 +90,7 @@ from torch import nn
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
 from benchmarks.memory_at_oom import record_until_oom
+from benchmarks.peak_history import recorded
 from benchmarks.trace_analysis import profiled
 from storm_compile.cli.models import LLAMA_PRESETS, Llama, LlamaShape, add_lora
 from storm_compile.compiler.backend import StormBackend
@@ -459,6 +461,11 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
                tflops=_model_flops(shape, tokens, args.lora) / step / 1e12,
                optimizer_ms=min(optimizer_s) * MS,
                peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
+    if row["method"] in args.peak_history and cuda:
+        owners: dict = {}
+        with recorded(owners):
+            run.step(batches)
+        row["peak_history"] = owners
     if row["method"] in args.profile:
         row.update(profiled(lambda: run.step(batches), cuda,
                             args.out / f"trace_{row['method']}_{row['tokens']}x{micro_batches}"
@@ -572,6 +579,10 @@ def _parse(argv):
                              "one more step: its trace in --out, and in results.json the compute "
                              "stream's busy fraction and idle time, split by the copy it waited "
                              "on (home, to the device, none)")
+    parser.add_argument("--peak-history", default="",
+                        help="comma-separated methods whose each throughput point also records "
+                             "one more step's allocator history: in results.json what is live "
+                             "at its peak, grouped by the lines that allocated it")
     parser.add_argument("--lora", type=int, default=None, metavar="RANK",
                         help="freeze the model, adapters of this rank beside every linear layer "
                              "(LoRA fine-tuning); every method loads the same drawn weights")
@@ -590,9 +601,11 @@ def _parse(argv):
     if unknown:
         parser.error(f"unknown method(s) {unknown}; known: {', '.join(BUILDERS)}")
     args.profile = [m for m in args.profile.split(",") if m]
-    unprofiled = [m for m in args.profile if m not in args.methods]
-    if unprofiled:
-        parser.error(f"--profile {','.join(unprofiled)}: not among --methods")
+    args.peak_history = [m for m in args.peak_history.split(",") if m]
+    for option, listed in (("--profile", args.profile), ("--peak-history", args.peak_history)):
+        unlisted = [m for m in listed if m not in args.methods]
+        if unlisted:
+            parser.error(f"{option} {','.join(unlisted)}: not among --methods")
     if args.host_format is not None and args.lora is None:
         parser.error("--host-format holds frozen weights: it needs --lora RANK")
     args.tokens, args.micro_batches = _ints(args.tokens), _ints(args.micro_batches)

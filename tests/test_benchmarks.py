@@ -297,6 +297,9 @@ def test_streaming_profiles_only_methods_it_runs(capsys):
     with pytest.raises(SystemExit):
         streaming.main(["--smoke", "--methods", "storm", "--profile", "storm-explicit"])
     assert "--profile storm-explicit: not among --methods" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        streaming.main(["--smoke", "--methods", "storm", "--peak-history", "compile"])
+    assert "--peak-history compile: not among --methods" in capsys.readouterr().err
 
 
 def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):

@@ -188,17 +188,23 @@ def _twins(rebuilt: list[fx.Node], backward: fx.Graph, inputs: dict[fx.Node, fx.
            ) -> dict[fx.Node, fx.Node]:
     """Each node of ``rebuilt`` (forward order) that ``backward`` already computes: a backward
     node of the same name (the partitioner keeps a joint-graph node's name where it runs it
-    again) running the same op on the same values (saved values' inputs, or nodes that are
-    twins themselves). A name alone is not enough: nodes the partitioner adds to each graph
+    again) running the same op on the same values (saved values' inputs, the backward's
+    constant of the same attribute, or nodes that are twins themselves). A name alone is not enough: nodes the partitioner adds to each graph
     (random-number states) are named in each graph apart."""
     named = {n.name: n for n in backward.nodes if n.op != "placeholder"}
+    constants = {n.target: n for n in backward.find_nodes(op="get_attr")}
     twins: dict[fx.Node, fx.Node] = {}
+
+    def same(value: fx.Node) -> fx.Node | None:
+        if value.op == "get_attr":
+            return constants.get(value.target)
+        return inputs.get(value, twins.get(value))
+
     for node in rebuilt:
         twin = named.get(node.name)
         if twin is None or twin.target != node.target:
             continue
-        mapped = fx.node.map_arg((node.args, node.kwargs),
-                                 lambda a: inputs.get(a, twins.get(a)))
+        mapped = fx.node.map_arg((node.args, node.kwargs), same)
         if mapped == (twin.args, twin.kwargs):
             twins[node] = twin
     return twins

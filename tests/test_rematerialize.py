@@ -12,6 +12,7 @@ import importlib
 import torch
 
 from helpers import CPU_TEST_OPTIONS, asking, cost_model, nodes
+from storm_compile.cli.commands import plan_model, planning_context
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
 from storm_compile.compiler import pipeline
 from storm_compile.compiler.backend import StormBackend
@@ -79,6 +80,24 @@ def test_each_recomputed_value_is_rebuilt_once_and_gradients_match_eager():
     model(*batch).backward()
     for grad, expected in zip(grads, [p.grad for p in model.parameters()]):
         torch.testing.assert_close(grad, expected)
+
+
+def test_a_packed_weight_a_recomputation_reads_is_rebuilt_once():
+    """The 70B shape's second layer under a 6.5 GiB budget recomputes matmuls of packed NF4
+    weights. The partitioner already rebuilds each such weight in the backward; the copy of the
+    code book each graph holds is the same constant, so the recomputation and the backward share
+    one rebuilt weight (Inductor makes two rebuilds of one packed weight one kernel with two
+    weight-sized outputs, live together)."""
+    ctx = planning_context(memory_budget="6.5GiB", min_offload_bytes=0)
+    graphs = plan_model("llama", ctx, stream=True, lora=16, host_format="nf4", preset="70b",
+                        layers=2)
+    lookups = graphs.backward.graph.find_nodes(op="call_function",
+                                               target=torch.ops.aten.index.Tensor)
+    rebuilt = {n.name for n in graphs.forward.graph.find_nodes(
+        op="call_function", target=torch.ops.aten.index.Tensor)} & set(graphs.plan.recompute)
+    assert rebuilt, "the plan recomputes no matmul of a packed weight"
+    codes = collections.Counter(n.args[1][0].name for n in lookups)
+    assert codes and max(codes.values()) == 1, f"rebuilt twice: {codes.most_common(3)}"
 
 
 def test_a_plan_without_recomputation_leaves_the_graphs_as_they_are():

@@ -23,13 +23,15 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 from storm_compile import storm
 from storm_compile.cli.models import LLAMA_PRESETS, build_llama
+from storm_compile.compiler import backend
 from storm_compile.compiler.backend import (
+    StormBackend,
     StormCacheError,
     _decompositions,
     _default_backend,
     storm_backend,
 )
-from storm_compile.config import CPU_PLANNING, StormOptionError
+from storm_compile.config import CPU_PLANNING, StormConfig, StormOptionError
 from storm_compile.planner import plan_cache
 from storm_compile.planner.step_budget import GraphShare
 from storm_compile.weights.streaming import stream_parameters
@@ -200,3 +202,17 @@ def test_inductors_decompositions_unless_storm_bounds_memory():
     assert not storm(**CPU_PLANNING)._bounds_memory(plain)
     assert storm(**CPU_PLANNING, memory_budget=0.5)._bounds_memory(plain)
     assert storm(**CPU_PLANNING)._bounds_memory(streamed)
+
+
+@pytest.mark.parametrize("options", [{}, {"memory_budget": 0.5}])
+def test_inductors_buffer_pool_is_off_where_storm_bounds_memory(monkeypatch, options):
+    """Inductor's pool of freed buffers holds them past their last use, which a budget's plan
+    does not count (``BOUNDED_INDUCTOR_CONFIG``); without a budget Inductor's config stays."""
+    patches = []
+    monkeypatch.setattr(backend, "compile_fx",
+                        lambda gm, inputs, **kwargs: patches.append(kwargs["config_patches"]) or gm)
+    model, batch = build_llama(LLAMA_PRESETS["tiny"])
+    config = StormConfig.from_options(**CPU_PLANNING, **options)
+    torch.compile(model, backend=StormBackend(config, observer=lambda graphs: None))(*batch)
+    assert len(patches) == 1
+    assert patches[0].get("allow_buffer_reuse", True) is not bool(options)

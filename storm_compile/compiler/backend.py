@@ -76,6 +76,17 @@ step 2.5 GiB over its predicted peak. Aten's kernel accumulates the touched rows
 and allocates only the gradient, in its dtype, when it runs, which is where the simulator puts
 it."""
 
+BOUNDED_INDUCTOR_CONFIG = {"allow_buffer_reuse": False}
+"""Inductor config for a graph whose memory storm bounds. Inductor keeps a freed buffer in a
+pool until a later allocation of its size takes it over, as long as its own estimate of the
+graph's peak allows, and that estimate counts the output of each of storm's ops as a new
+buffer (a prefetched weight three times: its copy, its record and its wait). The buffers a
+layer's backward frees then stay live across the next layer's attention until that layer
+reuses them. Without the pool each buffer is freed after its last use, as the simulator frees
+it, and the caching allocator serves the next allocation of its size: on the H200, the 70B
+shape's 8 layers under a 7 GiB budget peaked at 8.33 GiB with it and 6.99 GiB without
+(6.86 GiB predicted), at 12920 and 12896 tokens/s."""
+
 STREAMED_READS = (ops.fetch_weight, ops.fetch_weight.overloadpacket)
 """How a traced graph reads a streamed weight: dynamo records the parametrization's call of
 ``torch.ops.storm.fetch_weight`` as the op's packet; AOTAutograd's graphs as its overload."""
@@ -296,11 +307,12 @@ class StormBackend:
             return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                                 partition_fn=self.partitioner,
                                 keep_inference_input_mutations=True)(gm, example_inputs)
+        bounds = self._bounds_memory(gm)
         return compile_fx(gm, example_inputs, inner_compile=_compile_graph,
                           config_patches={"custom_partitioner_fn": self.partitioner,
-                                          **list_mode_options(self.config.mode)},
-                          decompositions=_decompositions() if self._bounds_memory(gm)
-                          else None)
+                                          **list_mode_options(self.config.mode),
+                                          **(BOUNDED_INDUCTOR_CONFIG if bounds else {})},
+                          decompositions=_decompositions() if bounds else None)
 
     def _bounds_memory(self, gm: fx.GraphModule) -> bool:
         """Whether storm bounds ``gm``'s device memory: a budget, or weights it streams."""

@@ -189,8 +189,9 @@ def _twins(rebuilt: list[fx.Node], backward: fx.Graph, inputs: dict[fx.Node, fx.
     """Each node of ``rebuilt`` (forward order) that ``backward`` already computes: a backward
     node of the same name (the partitioner keeps a joint-graph node's name where it runs it
     again) running the same op on the same values (saved values' inputs, the backward's
-    constant of the same attribute, or nodes that are twins themselves). A name alone is not enough: nodes the partitioner adds to each graph
-    (random-number states) are named in each graph apart."""
+    constant of the same attribute, or nodes that are twins themselves). A name alone is not
+    enough: nodes the partitioner adds to each graph (random-number states) are named in each
+    graph apart."""
     named = {n.name: n for n in backward.nodes if n.op != "placeholder"}
     constants = {n.target: n for n in backward.find_nodes(op="get_attr")}
     twins: dict[fx.Node, fx.Node] = {}

@@ -81,10 +81,11 @@ BOUNDED_INDUCTOR_CONFIG = {"allow_buffer_reuse": False}
 pool until a later allocation of its size takes it over, as long as its own estimate of the
 graph's peak allows, which is not the peak storm plans for. In the 70B shape's step the
 buffers a layer's backward freed stayed live across the next layer's attention backward,
-where the peak was, until the next layer's feed-forward backward took them over. Without the pool each buffer is freed after its last use, as the simulator frees
-it, and the caching allocator serves the next allocation of its size: on the H200, the 70B
-shape's 8 layers under a 7 GiB budget peaked at 8.33 GiB with it and 6.99 GiB without
-(6.86 GiB predicted), at 12920 and 12896 tokens/s."""
+where the peak was, until the next layer's feed-forward backward took them over. Without
+the pool each buffer is freed after its last use, as the simulator frees it, and the caching
+allocator serves the next allocation of its size: on the H200, the 70B shape's 8 layers under
+a 7 GiB budget peaked at 8.33 GiB with it and 6.99 GiB without (6.86 GiB predicted), at 12920
+and 12896 tokens/s."""
 
 STREAMED_READS = (ops.fetch_weight, ops.fetch_weight.overloadpacket)
 """How a traced graph reads a streamed weight: dynamo records the parametrization's call of

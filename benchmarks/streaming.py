@@ -37,7 +37,9 @@ Two parts, both optional:
   ``--micro-batches`` ``--steps`` timed optimizer steps after one untimed one (the first
   point's untimed step compiles): tokens/s and, when ``compile`` is listed, the ratio to its
   tokens/s, achieved TFLOP/s (model FLOPs: 6 per parameter per token plus causal attention's
-  6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory,
+  6 · layers · d_model · seq per token), the optimizer's share of the step, peak device memory
+  and the caching allocator's retries per timed step (each frees its cached blocks, which
+  synchronizes the device),
   the seconds the method's setup (model, streaming, optimizer) and each point's untimed step took,
   and for storm its plans' predicted tokens/s (the whole optimizer step: the micro-batches' forward
   and backward, the host thread's additions and the host AdamW, overlapped or after, as
@@ -282,6 +284,8 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
         streamed = stream_parameters(model, args.device, resident_bytes=args.resident_bytes,
                                      host_format=args.host_format, weights=weights)
     options = {"memory_budget": args.budget} if args.budget is not None else {}
+    if args.cost is not None:
+        options["cost"] = args.cost
     if not cuda:
         options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
     predicted: list[dict[int, StepPrediction]] = []
@@ -450,6 +454,7 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
           f"{row['first_step_s']:.1f} s", flush=True)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    retries = _alloc_retries(cuda)
     step_s, optimizer_s = [], []
     for _ in range(args.steps):
         begin = time.perf_counter()
@@ -460,7 +465,8 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
     row.update(step_ms=step * MS, tokens_per_s=tokens / step,
                tflops=_model_flops(shape, tokens, args.lora) / step / 1e12,
                optimizer_ms=min(optimizer_s) * MS,
-               peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None)
+               peak_gib=torch.cuda.max_memory_allocated() / GIB if cuda else None,
+               alloc_retries=(_alloc_retries(cuda) - retries) / args.steps if cuda else None)
     if row["method"] in args.peak_history and cuda:
         owners: dict = {}
         with recorded(owners):
@@ -485,6 +491,12 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
                    pred_host_ms=predicted.host_s * MS,
                    pred_peak_gib=max(run.peaks) / GIB, graphs=len(run.peaks),
                    pred_op_ms=dict(run.op_ms.most_common(OPS_REPORTED)))
+
+
+def _alloc_retries(cuda: bool) -> int:
+    """The caching allocator's retries so far: each an allocation that found no free block
+    under the cap, freed the cached ones (synchronizing the device) and tried again."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
 
 
 def _rates(profile: dict) -> str:
@@ -535,13 +547,15 @@ def markdown(results: dict) -> str:
                      if "pred_tokens_per_s" in row else "",
                      f"{row['build_s']:.0f} / {row['first_step_s']:.0f}" if "build_s" in row
                      else f"(built) / {row['first_step_s']:.0f}",
-                     f"{row['of_bound']:.0%}" if "of_bound" in row else ""])
+                     f"{row['of_bound']:.0%}" if "of_bound" in row else "",
+                     "" if row.get("alloc_retries") is None else f"{row['alloc_retries']:g}"])
     if rows:
         parts.append(tabulate(rows, headers=["method", "tokens/µbatch", "µbatches", "tokens/s",
                                              f"× {REFERENCE}", "TFLOP/s", "optimizer ms",
                                              "peak GiB (predicted)", "predicted tokens/s",
                                              "predicted copy / host waits ms",
-                                             "build / first step s", "of bound"],
+                                             "build / first step s", "of bound",
+                                             "allocator retries / step"],
                               tablefmt="github"))
     return "\n\n".join(parts) + "\n"
 
@@ -558,6 +572,8 @@ def _parse(argv):
     parser.add_argument("--cap-gib", type=float, default=16.0,
                         help="GPU memory cap of the storm and fsdp2-offload runs")
     parser.add_argument("--budget", default=None, help="storm's memory_budget (default: none)")
+    parser.add_argument("--cost", default=None, choices=("roofline", "measured"),
+                        help="storm's cost option (default: storm's)")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated; the losses are always compared with "
                              f"{REFERENCE}'s, the throughput with {REFERENCE}'s when it is listed")

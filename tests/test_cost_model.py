@@ -8,7 +8,9 @@ import torch
 
 from storm_compile.cost.cost_model import (
     ATTENTION_EFFICIENCY,
+    MEASURED_MIN_S,
     CostModel,
+    MeasuredCosts,
     channels_last_graph,
     materialized,
     node_flops,
@@ -101,6 +103,18 @@ def test_override_and_cache():
     model = CostModel(TEST)
     assert model.compute_seconds(node) == model.compute_seconds(node)
     assert len(model._cache) == 1
+
+
+def test_measured_costs_time_only_ops_the_roofline_prices_above_the_floor():
+    """Timed alone, a small op's time is its dispatch's, which a compiled graph does not pay:
+    with a roofline, measured costs keep its price for ops under ``MEASURED_MIN_S``."""
+    roofline = CostModel(TEST)
+    small, large = _node(torch.mm, (8, 8), (8, 8)), _node(torch.mm, (320, 320), (320, 320))
+    assert roofline.compute_seconds(small) < MEASURED_MIN_S <= roofline.compute_seconds(large)
+    measured = MeasuredCosts("cpu", roofline=roofline)
+    assert measured(small) is None
+    assert measured(large) > 0
+    assert MeasuredCosts("cpu")(small) > 0
 
 
 def test_transfer_time_and_shared_link():

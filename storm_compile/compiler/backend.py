@@ -191,7 +191,7 @@ class StormBackend:
             if not torch.cuda.is_available():
                 raise StormOptionError("storm option 'cost': 'measured' times ops on a CUDA "
                                        "device, and none is available")
-            cost_override = cost_override or MeasuredCosts()
+            cost_override = cost_override or MeasuredCosts(roofline=CostModel(profile))
         self.ctx = PassContext(config, CostModel(profile, cost_override))
         self.step = StepBudget()
         """The step's ledger: what each graph compiled so far planned (budgets are the

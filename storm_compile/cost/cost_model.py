@@ -303,7 +303,7 @@ class MeasuredCosts:
     """
 
     def __init__(self, device: torch.device | str = "cuda",
-                 roofline: "CostModel | None" = None) -> None:
+                 roofline: CostModel | None = None) -> None:
         self.device = torch.device(device)
         self.roofline = roofline
         self._cache: dict[tuple, float | None] = {}

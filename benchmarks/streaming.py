@@ -186,6 +186,15 @@ def _model(shape: LlamaShape, args, on: str) -> nn.Module:
     return model.to(on)
 
 
+DRAW_DTYPE = torch.float32
+"""Weights are drawn in float32, then cast to the model's dtype."""
+
+DRAW_CHUNK_BYTES = 256 * 2**20
+"""Float32 drawn at a time for one weight. Drawn whole, a 70B vocabulary matrix held two
+float32 tensors of 3.91 GiB on the device (the draw and its scaled copy): under ``--cap-gib
+7.45`` the 8-layer shape ran out of memory there, before its first step."""
+
+
 class _DrawnWeights(Mapping):
     """Every parameter of a model built on the meta device, drawn on ``device`` when looked up
     (each from its own seed, so in any order and any number of times the same): a model larger
@@ -201,8 +210,12 @@ class _DrawnWeights(Mapping):
         if len(shape) < 2:
             return torch.ones(shape, dtype=dtype, device=self.device)
         generator = torch.Generator(self.device).manual_seed(MODEL_SEED + index)
-        return (torch.randn(shape, generator=generator, device=self.device)
-                * INIT_STD).to(dtype)
+        weight = torch.empty(shape, dtype=dtype, device=self.device)
+        rows = max(1, DRAW_CHUNK_BYTES // (weight[0].numel() * DRAW_DTYPE.itemsize))
+        for chunk in weight.split(rows):
+            chunk.copy_(torch.randn(chunk.shape, generator=generator, dtype=DRAW_DTYPE,
+                                    device=self.device) * INIT_STD)
+        return weight
 
     def __iter__(self):
         return iter(self.params)

@@ -617,3 +617,26 @@ def test_zoo_memory_lists_what_is_live_at_a_recorded_peak():
     text = zoo_memory.markdown([row])
     assert "What is live at unet storm-peak-0.75's peak" in text
     assert any(allocation in line and "1.500" in line for line in text.splitlines())
+
+
+def test_drawn_weights_are_the_same_in_any_order_and_drawn_a_chunk_at_a_time(monkeypatch):
+    """A weight drawn in chunks of a few rows is the same every time it is looked up, in its
+    model's dtype, at the scale asked, and no float32 draw larger than a chunk is made."""
+    monkeypatch.setattr(streaming, "DRAW_CHUNK_BYTES", 4 * 64 * 4)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)).bfloat16()
+    weights = streaming._DrawnWeights(model, "cpu")
+    drawn = []
+    real_randn = torch.randn
+
+    def randn(*shape, **kwargs):
+        drawn.append(torch.Size(shape[0]) if len(shape) == 1 else torch.Size(shape))
+        return real_randn(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "randn", randn)
+    first, second = weights["1.weight"], weights["0.weight"]
+    assert torch.equal(weights["0.weight"], second) and torch.equal(weights["1.weight"], first)
+    assert first.dtype == torch.bfloat16 and first.shape == (64, 96)
+    assert max(size.numel() for size in drawn) <= streaming.DRAW_CHUNK_BYTES // 4
+    assert abs(first.float().std().item() - streaming.INIT_STD) < 0.1 * streaming.INIT_STD
+    assert not torch.equal(first[:4], first[4:8])

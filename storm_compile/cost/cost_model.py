@@ -285,7 +285,7 @@ alone, a small op's events also hold the host's dispatch of it, tens of µs with
 which a compiled graph, launched ahead of the GPU, does not pay: on the 70B Llama shape's 8
 layers (nf4 base, H200) the timed prices of the NF4 code book's copies (``lift_fresh_copy`` of
 16 floats, which Inductor folds into the dequantization) came to 18.6 ms of the step, against
-0.8 ms by the roofline, and the plan made with them ran 9 % slower than the roofline's."""
+0.8 ms by the roofline."""
 
 
 class MeasuredCosts:

@@ -117,6 +117,23 @@ def test_measured_costs_time_only_ops_the_roofline_prices_above_the_floor():
     assert MeasuredCosts("cpu")(small) > 0
 
 
+def test_the_backend_times_under_measured_costs_only_what_the_roofline_prices_above_the_floor(
+        monkeypatch):
+    """``cost="measured"`` as the backend builds it keeps the roofline's price for small ops
+    (with CUDA reported present: the backend refuses the option without it)."""
+    from storm_compile.compiler.backend import StormBackend
+    from storm_compile.config import StormConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    backend = StormBackend(StormConfig.from_options(cost="measured", profile="cpu-test"))
+    measured = backend.ctx.cost.override
+    assert isinstance(measured, MeasuredCosts)
+    assert measured.roofline.profile == PROFILES["cpu-test"]
+    small = _node(torch.mm, (8, 8), (8, 8))
+    assert measured(small) is None
+    assert backend.ctx.cost.compute_seconds(small) == CostModel(TEST).compute_seconds(small)
+
+
 def test_transfer_time_and_shared_link():
     model = CostModel(TEST)
     assert model.transfer_seconds(10**10, Lane.H2D) == pytest.approx(1e-5 + 1.0)

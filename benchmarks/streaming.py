@@ -93,7 +93,7 @@ from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
 from benchmarks.memory_at_oom import record_until_oom
 from benchmarks.peak_history import recorded
-from benchmarks.trace_analysis import profiled
+from benchmarks.trace_analysis import MATMUL_PACKETS, matmul_key, profiled
 from storm_compile.cli.models import LLAMA_PRESETS, Llama, LlamaShape, add_lora
 from storm_compile.compiler.backend import StormBackend
 from storm_compile.config import StormConfig
@@ -114,6 +114,10 @@ from storm_compile.weights.streaming import (
 OPS_REPORTED = 12
 """The ops with the most predicted compute time a storm row lists in results.json: enough to see
 which op a prediction gets wrong when it is set beside a profile of the run."""
+MATMULS_REPORTED = 24
+"""The matrix-product shapes with the most measured GPU time a profiled storm row sets beside
+their prices (``matmul_prices``): a Llama step has a handful per layer, LoRA adds four per
+adapted matrix."""
 REFERENCE = "compile"
 METHODS = ("compile", "storm", "storm-explicit", "fsdp2-offload")
 LEARNING_RATE = 3e-4
@@ -162,6 +166,9 @@ class _Run:
     by op, over the graphs the method compiled (empty when unpredicted)."""
     peaks: list[int] = dataclasses.field(default_factory=list)
     """Each compiled graph's predicted device peak, bytes (empty when unpredicted)."""
+    matmul_us: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
+    """The priced microseconds of every matrix product the plans run, by
+    :func:`~benchmarks.trace_analysis.matmul_key` (empty when unpredicted)."""
     host_bytes: int | None = None
     """Bytes of the streamed parameters in host memory (None when nothing streams)."""
 
@@ -304,6 +311,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
     predicted: list[dict[int, StepPrediction]] = []
     peaks: list[int] = []
     op_ms: collections.Counter = collections.Counter()
+    matmul_us: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
 
     def observe(graphs: StormGraphs) -> None:
         """Simulate each plan as it is made: Inductor rewrites the graphs once it compiles."""
@@ -315,6 +323,10 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
             for node in module.graph.nodes:
                 if node.op == "call_function" and COST_KEY in node.meta:
                     op_ms[str(node.target)] += node.meta[COST_KEY].compute_s * MS
+                    if matmul_key(str(node.target), ())[0] in MATMUL_PACKETS:
+                        shapes = [a.meta["val"].shape for a in node.args[:2]]
+                        matmul_us[matmul_key(str(node.target), shapes)].append(
+                            node.meta[COST_KEY].compute_s * US)
 
     def predicted_step(micro_batches: int) -> StepPrediction | None:
         if not predicted:
@@ -329,7 +341,7 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
     overlapped = OverlappedOptimizer(optimizer) if explicit else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
                          overlapped, deferred=explicit, relearn=not explicit),
-                predicted_step, op_ms, peaks, streamed.host_bytes)
+                predicted_step, op_ms, peaks, streamed.host_bytes, matmul_us)
 
 
 def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
@@ -489,6 +501,8 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
         row.update(profiled(lambda: run.step(batches), cuda,
                             args.out / f"trace_{row['method']}_{row['tokens']}x{micro_batches}"
                                        f".json"))
+    if "matmul_kernels" in row and run.matmul_us:
+        row["matmul_prices"] = _matmul_prices(row.pop("matmul_kernels"), run.matmul_us)
     predicted = run.predicted(micro_batches)
     if run.host_bytes is not None and args.lora is not None:
         profile = _profile(cuda)
@@ -504,6 +518,21 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
                    pred_host_ms=predicted.host_s * MS,
                    pred_peak_gib=max(run.peaks) / GIB, graphs=len(run.peaks),
                    pred_op_ms=dict(run.op_ms.most_common(OPS_REPORTED)))
+
+
+def _matmul_prices(measured: list[dict], priced: dict[tuple[str, str], list[float]]
+                   ) -> list[dict]:
+    """The profiled step's matrix products with the most GPU time
+    (:data:`MATMULS_REPORTED`), each beside what storm's plans priced for the same op and
+    shapes: calls and microseconds per call of both."""
+    rows = []
+    for kernels in measured[:MATMULS_REPORTED]:
+        prices = priced.get((kernels["op"], kernels["shapes"]), [])
+        rows.append({"op": kernels["op"], "shapes": kernels["shapes"], "calls": kernels["calls"],
+                     "us_per_call": kernels["kernel_us"] / kernels["calls"],
+                     "priced_calls": len(prices),
+                     "priced_us_per_call": sum(prices) / len(prices) if prices else None})
+    return rows
 
 
 def _alloc_retries(cuda: bool) -> int:

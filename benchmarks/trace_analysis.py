@@ -4,11 +4,15 @@ Reads GPU kernel and memcpy events, groups them by stream, and reports: the comp
 fraction of the step, total D2H and H2D copy time, the fraction of copy time during which a
 compute kernel was running, and where the compute stream sat idle between its kernels: waiting
 on a copy home, on a copy to the device (the gap ends as such a copy on another stream ends),
-or on neither (the host: launches, the host thread, the optimizer).
+or on neither (the host: launches, the host thread, the optimizer). With shapes recorded, the
+GPU time of each matrix product, by its operands' shapes (:func:`matmul_kernels`), to set beside
+what a plan priced for the same shapes.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import dataclasses
 import json
 from collections.abc import Callable
@@ -23,6 +27,13 @@ RESUME_US = 50.0
 """A gap on the compute stream is put down to a copy on another stream when the copy ends at
 most this long from the compute stream's next start: a stream waiting on an event starts its
 next kernel within some 5–40 µs of the copy's end in the H100 traces storm's runs wrote."""
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+"""The CPU ops of a trace whose kernels :func:`matmul_kernels` attributes to their shapes."""
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+"""Trace categories of the host calls that launch kernels; a launch and its kernel share a
+``correlation`` id."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +51,8 @@ class Overlap:
     """Of which in gaps that end as a copy home ends."""
     idle_on_h2d_us: float
     """Of which in gaps that end as a copy to the device ends."""
+    kernel_us: float
+    """GPU time of every kernel, on every stream."""
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -89,6 +102,7 @@ def analyse(trace_path: str | Path) -> Overlap:
         compute_stream=compute_stream,
         copy_streams=tuple(sorted({_stream(c) for c in d2h + h2d})),
         idle_us=sum(idle.values()), idle_on_d2h_us=idle["DtoH"], idle_on_h2d_us=idle["HtoD"],
+        kernel_us=sum(k["dur"] for k in kernels),
     )
 
 
@@ -104,15 +118,76 @@ def _idle(compute: list[tuple[float, float]], copies: list[dict]) -> dict[str, f
     return idle
 
 
+@dataclasses.dataclass(frozen=True)
+class MatmulKernels:
+    """The GPU time of one matrix-product op's calls with one set of operand shapes."""
+
+    op: str
+    """The op's packet, as storm's graphs name it (``mm``, ``addmm``...)."""
+    shapes: str
+    """Its first two operands' shapes, as ``[[m, k], [k, n]]``."""
+    calls: int
+    kernel_us: float
+
+
+def matmul_key(op: str, shapes) -> tuple[str, str]:
+    """How :func:`matmul_kernels` and a plan's prices name a product: the op's packet
+    (``aten::mm`` and ``aten.mm.default`` are both ``mm``) and its first two operands' shapes."""
+    packet = op.removeprefix("aten::").removeprefix("aten.").split(".")[0]
+    return packet, json.dumps([list(s) for s in shapes[:2]])
+
+
+MATMUL_PACKETS = frozenset(matmul_key(op, ())[0] for op in MATMUL_OPS)
+""":data:`MATMUL_OPS` as :func:`matmul_key` names them."""
+
+
+def matmul_kernels(trace_path: str | Path) -> list[MatmulKernels]:
+    """The kernels each matrix-product op (:data:`MATMUL_OPS`) launched, summed by the op and
+    its operands' shapes, most GPU time first: a kernel is its launch's (same ``correlation``),
+    and a launch belongs to the op running on its host thread when it was made. Needs a trace
+    recorded with ``record_shapes``."""
+    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    kernel_us: dict[int, float] = collections.defaultdict(float)
+    for event in events:
+        if event.get("cat") == KERNEL_CATEGORY and "dur" in event:
+            kernel_us[event["args"].get("correlation")] += event["dur"]
+    ops: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for event in events:
+        if event.get("cat") == "cpu_op" and event.get("name") in MATMUL_OPS:
+            ops[event.get("pid"), event.get("tid")].append(event)
+    for found in ops.values():
+        found.sort(key=lambda e: e["ts"])
+    starts = {thread: [op["ts"] for op in found] for thread, found in ops.items()}
+    calls: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for event in events:
+        if event.get("cat") not in LAUNCH_CATEGORIES:
+            continue
+        thread = event.get("pid"), event.get("tid")
+        index = bisect.bisect_right(starts.get(thread, []), event["ts"]) - 1
+        if index < 0:
+            continue
+        op = ops[thread][index]
+        correlation = event.get("args", {}).get("correlation")
+        if op["ts"] + op["dur"] < event["ts"] or correlation not in kernel_us:
+            continue
+        key = matmul_key(op["name"], op["args"].get("Input Dims", []))
+        calls[key].append(kernel_us[correlation])
+    found = [MatmulKernels(op, shapes, len(times), sum(times))
+             for (op, shapes), times in calls.items()]
+    return sorted(found, key=lambda m: -m.kernel_us)
+
+
 def profiled(step: Callable[[], object], cuda: bool, trace: Path) -> dict:
     """Run ``step`` once under ``torch.profiler`` and write its Chrome trace to ``trace``; the
     figures a benchmark row gets: the trace's path, and on CUDA (:func:`analyse`) the compute
     stream's busy fraction, D2H and H2D copy time, the fraction of copy time hidden, and the
-    compute stream's idle time, split by the copy it waited on, in milliseconds."""
+    compute stream's idle time, split by the copy it waited on, in milliseconds, and the GPU
+    time of every kernel and of the matrix products', those by their shapes
+    (:func:`matmul_kernels`)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         step()
         if cuda:
             torch.cuda.synchronize()
@@ -125,5 +200,9 @@ def profiled(step: Callable[[], object], cuda: bool, trace: Path) -> dict:
                        copy_overlap_fraction=overlap.copy_overlap_fraction,
                        idle_ms=overlap.idle_us / US_PER_MS,
                        idle_on_d2h_ms=overlap.idle_on_d2h_us / US_PER_MS,
-                       idle_on_h2d_ms=overlap.idle_on_h2d_us / US_PER_MS)
+                       idle_on_h2d_ms=overlap.idle_on_h2d_us / US_PER_MS,
+                       kernel_ms=overlap.kernel_us / US_PER_MS)
+        matmuls = matmul_kernels(trace)
+        figures.update(matmul_kernel_ms=sum(m.kernel_us for m in matmuls) / US_PER_MS,
+                       matmul_kernels=[dataclasses.asdict(m) for m in matmuls])
     return figures

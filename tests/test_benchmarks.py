@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import activation_memory, memory_at_oom, optimizer, streaming
-from benchmarks.trace_analysis import analyse
+from benchmarks.trace_analysis import analyse, matmul_kernels
 from helpers import FP8_GRADIENT_ERROR
 from storm_compile.config import PRESETS
 from storm_compile.fx.prediction import Prediction
@@ -148,6 +148,51 @@ def test_idle_compute_is_put_down_to_the_copy_it_waited_on(tmp_path):
     assert overlap.idle_on_d2h_us == 70 and overlap.idle_on_h2d_us == 100
     assert overlap.idle_us == 70 + 100 + 240
     assert overlap.compute_busy_fraction == pytest.approx((100 + 30 + 50 + 10 + 20) / 620)
+
+
+def _cpu_op(name, ts, dur, dims, tid=1):
+    return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid,
+            "args": {"Input Dims": dims}}
+
+
+def _launch(ts, correlation, tid=1):
+    return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "pid": 0,
+            "tid": tid, "args": {"correlation": correlation}}
+
+
+def _kernel(correlation, dur):
+    return {"cat": "kernel", "name": "sm90_xmma_gemm", "ts": 1000 + correlation, "dur": dur,
+            "args": {"stream": 7, "correlation": correlation}}
+
+
+def test_matmul_kernels_are_the_kernels_each_product_launched_by_its_shapes(tmp_path):
+    """Two products of one shape and one of another on the main thread, a product on another
+    thread, and launches outside any product (a Triton kernel's): each kernel counts for the
+    product whose host call made its launch, by the first two operands' shapes."""
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        _cpu_op("aten::mm", 0, 10, [[64, 16], [16, 32], [64, 32]]), _launch(5, 1), _kernel(1, 40),
+        _launch(12, 2), _kernel(2, 7),
+        _cpu_op("aten::mm", 20, 10, [[64, 16], [16, 32], [64, 32]]), _launch(25, 3), _kernel(3, 44),
+        _cpu_op("aten::addmm", 40, 10, [[32], [64, 16], [16, 32]]), _launch(41, 4), _kernel(4, 9),
+        _cpu_op("aten::mm", 40, 10, [[8, 8], [8, 8]], tid=2), _launch(45, 5, tid=2), _kernel(5, 3),
+        _launch(60, 6), _kernel(6, 100),
+    ]}))
+    found = {(m.op, m.shapes): (m.calls, m.kernel_us) for m in matmul_kernels(trace)}
+    assert found == {("mm", "[[64, 16], [16, 32]]"): (2, 84),
+                     ("addmm", "[[32], [64, 16]]"): (1, 9),
+                     ("mm", "[[8, 8], [8, 8]]"): (1, 3)}
+    assert [m.kernel_us for m in matmul_kernels(trace)] == [84, 9, 3], "most GPU time first"
+
+
+def test_matmul_prices_set_what_a_plan_priced_beside_what_ran():
+    measured = [{"op": "mm", "shapes": "[[64, 16], [16, 32]]", "calls": 2, "kernel_us": 84.0},
+                {"op": "mm", "shapes": "[[8, 8], [8, 8]]", "calls": 1, "kernel_us": 3.0}]
+    priced = {("mm", "[[64, 16], [16, 32]]"): [10.0, 12.0, 14.0]}
+    first, second = streaming._matmul_prices(measured, priced)
+    assert first == {"op": "mm", "shapes": "[[64, 16], [16, 32]]", "calls": 2,
+                     "us_per_call": 42.0, "priced_calls": 3, "priced_us_per_call": 12.0}
+    assert second["priced_calls"] == 0 and second["priced_us_per_call"] is None
 
 
 def test_planning_time_sums_the_pass_records(capsys):

@@ -166,11 +166,11 @@ class _Run:
     by op, over the graphs the method compiled (empty when unpredicted)."""
     peaks: list[int] = dataclasses.field(default_factory=list)
     """Each compiled graph's predicted device peak, bytes (empty when unpredicted)."""
+    host_bytes: int | None = None
+    """Bytes of the streamed parameters in host memory (None when nothing streams)."""
     matmul_us: dict[tuple[str, str], list[float]] = dataclasses.field(default_factory=dict)
     """The priced microseconds of every matrix product the plans run, by
     :func:`~benchmarks.trace_analysis.matmul_key` (empty when unpredicted)."""
-    host_bytes: int | None = None
-    """Bytes of the streamed parameters in host memory (None when nothing streams)."""
 
 
 def _model(shape: LlamaShape, args, on: str) -> nn.Module:

@@ -750,6 +750,43 @@ def test_a_gradient_counted_as_in_the_two_backwards_before_is_its_parameters_las
     assert not runtime._complete(weight), "read more often than learned: not known complete"
 
 
+def test_a_device_copy_is_copied_again_after_a_step_that_may_change_its_weight(monkeypatch):
+    """An optimizer step changes only parameters with a gradient (or, given a closure, any of
+    its own): a kept copy of a frozen weight held in the same optimizer outlives the steps of
+    the trained one, and is copied again once a step may change it."""
+    runtime = TransferRuntime()
+    copied = []
+    copy_from_host = runtime.copy_from_host
+    monkeypatch.setattr(runtime, "copy_from_host",
+                        lambda dst, host: (copied.append(host), copy_from_host(dst, host)))
+    trained = torch.nn.Parameter(torch.zeros(4))
+    frozen = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    optimizer = torch.optim.SGD([trained, frozen], lr=1.0)
+    cpu = torch.device("cpu")
+
+    def read():
+        copied.clear()
+        kept = {name: runtime.mirror(w, cpu).clone() for name, w in
+                (("trained", trained), ("frozen", frozen))}
+        return kept, [w is trained for w in copied]
+
+    assert read()[1] == [True, False]
+    trained.grad = torch.ones(4)
+    optimizer.step()
+    kept, again = read()
+    assert again == [True], "the frozen weight's copy outlived the step"
+    torch.testing.assert_close(kept["trained"], torch.full((4,), -1.0))
+    frozen.grad = torch.ones(4)                  # a gradient set by hand: the step changes it
+    optimizer.step()
+    kept, again = read()
+    assert again == [True, False]
+    torch.testing.assert_close(kept["frozen"], torch.zeros(4))
+    frozen.grad = trained.grad = None
+    optimizer.step(lambda: None)                 # a closure's backward may give any a gradient
+    assert read()[1] == [True, False]
+    assert read()[1] == [], "nothing changed since"
+
+
 def test_deferred_backwards_leave_the_additions_to_the_block_end_or_the_optimizer_step():
     """In ``gradient_accumulation()`` the end of a backward (``wait_host``) does not wait for
     an addition whose copy is still in flight; the block's end does, and so does an optimizer

@@ -552,9 +552,11 @@ class TransferRuntime:
         self._host_events: dict[int, torch.cuda.Event] = {}
         self._host_reads: dict[int, torch.cuda.Event] = {}
         self._mirrors = WeakIdKeyDictionary()
-        self._optimizer_steps = 0
-        """Optimizer steps taken off the host thread: any of them may have changed any host
-        weight."""
+        self._optimizer_steps: collections.Counter[int] = collections.Counter()
+        """Optimizer steps taken off the host thread that may have changed a host weight, by
+        the weight's storage (:meth:`_may_change`)."""
+        self._changing_now: list[frozenset[int]] = []
+        """The storages each running optimizer step may change, innermost last."""
         self._thread_steps: collections.Counter[int] = collections.Counter()
         """Steps of one parameter each the host thread took, by the parameter's data pointer."""
         self._arrived: dict[int, tuple[torch.Tensor, int]] = {}
@@ -702,13 +704,15 @@ class TransferRuntime:
 
     def mirror(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The device copy of ``host`` kept across calls, copied again when ``host`` may have
-        changed since: an optimizer stepped (fused optimizers update parameters without
-        moving their version counters), its version counter moved (``load_state_dict``,
+        changed since: an optimizer stepped a parameter in its storage (fused optimizers update
+        parameters without moving their version counters; :meth:`_may_change` says which a step
+        may change), its version counter moved (``load_state_dict``,
         ``copy_`` and other in-place writes), a streamed parameter's ``.data`` was touched
         (:meth:`note_host_write`) or its data was replaced; the caller reads it after the
         current stream's queued work."""
         self.watch_optimizers()
-        state = (self._optimizer_steps, self._thread_steps[host.data_ptr()], self._host_writes,
+        state = (self._optimizer_steps[host.untyped_storage().data_ptr()],
+                 self._thread_steps[host.data_ptr()], self._host_writes,
                  host._version, host.data_ptr(), device)
         kept = self._mirrors.get(host)
         if kept is not None and kept[1] == state:
@@ -1114,8 +1118,9 @@ class TransferRuntime:
         self._in_step += 1
         self._steps_streamed = bool(streamed)
         self._hide_stepped(streamed)
-        cycle = self.cycles.observe(optimizer, streamed, self.backwards)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is optimizer
+        self._changing_now.append(self._may_change(optimizer, closure is not None))
+        cycle = self.cycles.observe(optimizer, streamed, self.backwards)
         if cycle is not None and closure is not None:
             cycle.enabled = False
             return
@@ -1152,10 +1157,21 @@ class TransferRuntime:
                 self._hidden.append((param, grad))
                 _TENSOR_GRAD.__set__(param, None)
 
+    @staticmethod
+    def _may_change(optimizer: torch.optim.Optimizer, closure: bool) -> frozenset[int]:
+        """The storages of the parameters ``optimizer``'s step may change: those with a
+        gradient as it starts (every torch optimizer skips a parameter whose ``.grad`` is None,
+        weight decay included), or all of its parameters when the step is given a ``closure``,
+        whose backward may give any of them one. A frozen weight's device copy then outlives
+        the steps of the adapters beside it."""
+        return frozenset(p.untyped_storage().data_ptr()
+                         for group in optimizer.param_groups for p in group["params"]
+                         if closure or _TENSOR_GRAD.__get__(p) is not None)
+
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._adder.on_thread():
             return
-        self._optimizer_steps += 1
+        self._optimizer_steps.update(self._changing_now.pop())
         self._in_step -= 1
         for param, grad in self._hidden:
             if _TENSOR_GRAD.__get__(param) is None:

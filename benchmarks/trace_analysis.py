@@ -144,8 +144,9 @@ MATMUL_PACKETS = frozenset(matmul_key(op, ())[0] for op in MATMUL_OPS)
 def matmul_kernels(trace_path: str | Path) -> list[MatmulKernels]:
     """The kernels each matrix-product op (:data:`MATMUL_OPS`) launched, summed by the op and
     its operands' shapes, most GPU time first: a kernel is its launch's (same ``correlation``),
-    and a launch belongs to the op running on its host thread when it was made. Needs a trace
-    recorded with ``record_shapes``."""
+    and a launch belongs to the op running on its host thread when it was made; a call may
+    launch several (cuBLAS splits a product with a short output across its inner dimension,
+    then sums the parts). Needs a trace recorded with ``record_shapes``."""
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
     kernel_us: dict[int, float] = collections.defaultdict(float)
     for event in events:
@@ -158,7 +159,8 @@ def matmul_kernels(trace_path: str | Path) -> list[MatmulKernels]:
     for found in ops.values():
         found.sort(key=lambda e: e["ts"])
     starts = {thread: [op["ts"] for op in found] for thread, found in ops.items()}
-    calls: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    calls: dict[tuple[str, str], dict[int, float]] = collections.defaultdict(
+        lambda: collections.defaultdict(float))
     for event in events:
         if event.get("cat") not in LAUNCH_CATEGORIES:
             continue
@@ -171,8 +173,8 @@ def matmul_kernels(trace_path: str | Path) -> list[MatmulKernels]:
         if op["ts"] + op["dur"] < event["ts"] or correlation not in kernel_us:
             continue
         key = matmul_key(op["name"], op["args"].get("Input Dims", []))
-        calls[key].append(kernel_us[correlation])
-    found = [MatmulKernels(op, shapes, len(times), sum(times))
+        calls[key][id(op)] += kernel_us[correlation]
+    found = [MatmulKernels(op, shapes, len(times), sum(times.values()))
              for (op, shapes), times in calls.items()]
     return sorted(found, key=lambda m: -m.kernel_us)
 

@@ -168,12 +168,14 @@ def _kernel(correlation, dur):
 def test_matmul_kernels_are_the_kernels_each_product_launched_by_its_shapes(tmp_path):
     """Two products of one shape and one of another on the main thread, a product on another
     thread, and launches outside any product (a Triton kernel's): each kernel counts for the
-    product whose host call made its launch, by the first two operands' shapes."""
+    product whose host call made its launch, by the first two operands' shapes; a product
+    that launched two kernels (a split inner dimension and its sum) is one call."""
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": [
         _cpu_op("aten::mm", 0, 10, [[64, 16], [16, 32], [64, 32]]), _launch(5, 1), _kernel(1, 40),
         _launch(12, 2), _kernel(2, 7),
-        _cpu_op("aten::mm", 20, 10, [[64, 16], [16, 32], [64, 32]]), _launch(25, 3), _kernel(3, 44),
+        _cpu_op("aten::mm", 20, 10, [[64, 16], [16, 32], [64, 32]]), _launch(25, 3), _kernel(3, 40),
+        _launch(27, 7), _kernel(7, 4),
         _cpu_op("aten::addmm", 40, 10, [[32], [64, 16], [16, 32]]), _launch(41, 4), _kernel(4, 9),
         _cpu_op("aten::mm", 40, 10, [[8, 8], [8, 8]], tid=2), _launch(45, 5, tid=2), _kernel(5, 3),
         _launch(60, 6), _kernel(6, 100),

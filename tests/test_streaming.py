@@ -751,9 +751,10 @@ def test_a_gradient_counted_as_in_the_two_backwards_before_is_its_parameters_las
 
 
 def test_a_device_copy_is_copied_again_after_a_step_that_may_change_its_weight(monkeypatch):
-    """An optimizer step changes only parameters with a gradient (or, given a closure, any of
-    its own): a kept copy of a frozen weight held in the same optimizer outlives the steps of
-    the trained one, and is copied again once a step may change it."""
+    """A step of torch's optimizers changes only parameters with a gradient (given a closure,
+    any of its own; another optimizer, any of its own): a kept copy of a frozen weight held in
+    the same optimizer outlives the steps of the trained one, and is copied again once a step
+    may change it."""
     runtime = TransferRuntime()
     copied = []
     copy_from_host = runtime.copy_from_host
@@ -785,6 +786,20 @@ def test_a_device_copy_is_copied_again_after_a_step_that_may_change_its_weight(m
     optimizer.step(lambda: None)                 # a closure's backward may give any a gradient
     assert read()[1] == [True, False]
     assert read()[1] == [], "nothing changed since"
+
+    class Shift(torch.optim.Optimizer):
+        """Not torch's: moves every parameter, gradient or not."""
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for param in group["params"]:
+                    param.data.add_(1.0)
+
+    Shift([trained, frozen], {}).step()
+    kept, again = read()
+    assert again == [True, False], "another library's optimizer may change any of its own"
+    torch.testing.assert_close(kept["frozen"], torch.ones(4))
+    torch.testing.assert_close(kept["trained"], trained.detach())
 
 
 def test_deferred_backwards_leave_the_additions_to_the_block_end_or_the_optimizer_step():

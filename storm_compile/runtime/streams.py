@@ -67,6 +67,10 @@ _TENSOR_GRAD = torch.Tensor.grad
 """``.grad`` as the tensor holds it: the host thread adds into it without the wait that a
 streamed parameter's own ``.grad`` does (:class:`storm_compile.weights.streaming.HostParameter`)."""
 
+TORCH_OPTIMIZERS = "torch.optim."
+"""The module prefix of torch's own optimizers, each of which leaves a parameter without a
+gradient unchanged (:meth:`TransferRuntime._may_change`)."""
+
 BUCKETS_PER_DOUBLING = 8
 """Pinned buffers come in sizes rounded up to one of this many steps per power of two, so
 tensors whose sizes vary from step to step (variable sequence lengths) reuse buffers instead
@@ -1159,14 +1163,16 @@ class TransferRuntime:
 
     @staticmethod
     def _may_change(optimizer: torch.optim.Optimizer, closure: bool) -> frozenset[int]:
-        """The storages of the parameters ``optimizer``'s step may change: those with a
-        gradient as it starts (every torch optimizer skips a parameter whose ``.grad`` is None,
-        weight decay included), or all of its parameters when the step is given a ``closure``,
-        whose backward may give any of them one. A frozen weight's device copy then outlives
-        the steps of the adapters beside it."""
+        """The storages of the parameters ``optimizer``'s step may change: for torch's own
+        optimizers, those with a gradient as it starts (each skips a parameter whose ``.grad``
+        is None, weight decay included); all of its parameters when the step is given a
+        ``closure`` (whose backward may give any of them one) or the optimizer is another
+        library's or the user's, which may change parameters without gradients. A frozen
+        weight's device copy then outlives the steps of the adapters beside it."""
+        every = closure or not type(optimizer).__module__.startswith(TORCH_OPTIMIZERS)
         return frozenset(p.untyped_storage().data_ptr()
                          for group in optimizer.param_groups for p in group["params"]
-                         if closure or _TENSOR_GRAD.__get__(p) is not None)
+                         if every or _TENSOR_GRAD.__get__(p) is not None)
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._adder.on_thread():

@@ -36,6 +36,20 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 ``correlation`` id."""
 
 
+GAPS_REPORTED = 10
+"""Idle gaps of the compute stream an analysis names: a handful shows whether a step waits at
+a few places (a copy, the optimizer) or a little everywhere (launches)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """An idle gap of the compute stream and the work on either side of it."""
+
+    us: float
+    before: str
+    after: str
+
+
 @dataclasses.dataclass(frozen=True)
 class Overlap:
     step_us: float
@@ -53,6 +67,10 @@ class Overlap:
     """Of which in gaps that end as a copy to the device ends."""
     kernel_us: float
     """GPU time of every kernel, on every stream."""
+    compute_copy_us: float
+    """GPU time of copies made on the compute stream itself, which no compute hides."""
+    gaps: tuple[Gap, ...]
+    """The compute stream's :data:`GAPS_REPORTED` longest idle gaps, longest first."""
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -103,7 +121,21 @@ def analyse(trace_path: str | Path) -> Overlap:
         copy_streams=tuple(sorted({_stream(c) for c in d2h + h2d})),
         idle_us=sum(idle.values()), idle_on_d2h_us=idle["DtoH"], idle_on_h2d_us=idle["HtoD"],
         kernel_us=sum(k["dur"] for k in kernels),
+        compute_copy_us=sum(c["dur"] for c in copies if _stream(c) == compute_stream),
+        gaps=_gaps([e for e in kernels + copies if _stream(e) == compute_stream]),
     )
+
+
+def _gaps(work: list[dict]) -> tuple[Gap, ...]:
+    """The :data:`GAPS_REPORTED` longest gaps between ``work`` (one stream's events), each
+    with the name of the event that ended last before it and of the one that ends it."""
+    gaps, last = [], None
+    for event in sorted(work, key=lambda e: e["ts"]):
+        if last is not None and event["ts"] > last["ts"] + last["dur"]:
+            gaps.append(Gap(event["ts"] - last["ts"] - last["dur"], last["name"], event["name"]))
+        if last is None or event["ts"] + event["dur"] > last["ts"] + last["dur"]:
+            last = event
+    return tuple(sorted(gaps, key=lambda g: -g.us)[:GAPS_REPORTED])
 
 
 def _idle(compute: list[tuple[float, float]], copies: list[dict]) -> dict[str, float]:
@@ -184,8 +216,8 @@ def profiled(step: Callable[[], object], cuda: bool, trace: Path) -> dict:
     figures a benchmark row gets: the trace's path, and on CUDA (:func:`analyse`) the compute
     stream's busy fraction, D2H and H2D copy time, the fraction of copy time hidden, and the
     compute stream's idle time, split by the copy it waited on, in milliseconds, and the GPU
-    time of every kernel and of the matrix products', those by their shapes
-    (:func:`matmul_kernels`)."""
+    time of every kernel, of the copies on the compute stream and of the matrix products', those
+    by their shapes (:func:`matmul_kernels`), and the compute stream's longest idle gaps."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -203,7 +235,9 @@ def profiled(step: Callable[[], object], cuda: bool, trace: Path) -> dict:
                        idle_ms=overlap.idle_us / US_PER_MS,
                        idle_on_d2h_ms=overlap.idle_on_d2h_us / US_PER_MS,
                        idle_on_h2d_ms=overlap.idle_on_h2d_us / US_PER_MS,
-                       kernel_ms=overlap.kernel_us / US_PER_MS)
+                       kernel_ms=overlap.kernel_us / US_PER_MS,
+                       compute_copy_ms=overlap.compute_copy_us / US_PER_MS,
+                       gaps=[dataclasses.asdict(g) for g in overlap.gaps])
         matmuls = matmul_kernels(trace)
         figures.update(matmul_kernel_ms=sum(m.kernel_us for m in matmuls) / US_PER_MS,
                        matmul_kernels=[dataclasses.asdict(m) for m in matmuls])

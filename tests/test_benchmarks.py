@@ -147,6 +147,10 @@ def test_idle_compute_is_put_down_to_the_copy_it_waited_on(tmp_path):
     overlap = analyse(trace)
     assert overlap.idle_on_d2h_us == 70 and overlap.idle_on_h2d_us == 100
     assert overlap.idle_us == 70 + 100 + 240
+    assert overlap.compute_copy_us == 10
+    assert [(g.us, g.before, g.after) for g in overlap.gaps] == [
+        (240, "Memcpy DtoD (Device -> Device)", "gemm"), (100, "gemm", "gemm"),
+        (70, "gemm", "gemm")], "longest first, each between the work around it"
     assert overlap.compute_busy_fraction == pytest.approx((100 + 30 + 50 + 10 + 20) / 620)
 
 

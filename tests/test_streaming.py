@@ -800,6 +800,8 @@ def test_a_device_copy_is_copied_again_after_a_step_that_may_change_its_weight(m
     assert again == [True, False], "another library's optimizer may change any of its own"
     torch.testing.assert_close(kept["frozen"], torch.ones(4))
     torch.testing.assert_close(kept["trained"], trained.detach())
+    runtime._after_optimizer_step(optimizer, (optimizer,), {})   # its step began unwatched
+    assert read()[1] == [True, False]
 
 
 def test_deferred_backwards_leave_the_additions_to_the_block_end_or_the_optimizer_step():

@@ -560,7 +560,9 @@ class TransferRuntime:
         """Optimizer steps taken off the host thread that may have changed a host weight, by
         the weight's storage (:meth:`_may_change`)."""
         self._changing_now: list[frozenset[int]] = []
-        """The storages each running optimizer step may change, innermost last."""
+        """The storages each running optimizer step may change, innermost last; a step that
+        began before storm watched optimizers (:meth:`watch_optimizers`) has none here and
+        counts as changing all of its parameters."""
         self._thread_steps: collections.Counter[int] = collections.Counter()
         """Steps of one parameter each the host thread took, by the parameter's data pointer."""
         self._arrived: dict[int, tuple[torch.Tensor, int]] = {}
@@ -1177,7 +1179,8 @@ class TransferRuntime:
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         if self._adder.on_thread():
             return
-        self._optimizer_steps.update(self._changing_now.pop())
+        self._optimizer_steps.update(self._changing_now.pop() if self._changing_now
+                                     else self._may_change(optimizer, closure=True))
         self._in_step -= 1
         for param, grad in self._hidden:
             if _TENSOR_GRAD.__get__(param) is None:

@@ -42,9 +42,9 @@ the GPU runs on::
 
 A streamed weight the planner keeps on the device (``StoragePlan.resident``) is read through
 ``storm.resident_weight(w, device)`` instead: a device copy of ``w`` that the runtime keeps
-across steps and copies again only when ``w`` may have changed (after any optimizer step, or
-when its version counter or data moved), cloned on the device for each read so that the
-compiled graph owns, and may reuse, the memory it reads.
+across steps and copies again only when ``w`` may have changed (after an optimizer step that
+may change it, or when its version counter or data moved), cloned on the device for each read
+so that the compiled graph owns, and may reuse, the memory it reads.
 
 A send given its weight (``w`` above: where the cost model finds the link faster than the host's
 addition) folds its gradient in the backward that :mod:`storm_compile.runtime.cycles` learned to

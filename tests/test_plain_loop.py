@@ -4,6 +4,7 @@ path by itself once storm has learned it (:mod:`storm_compile.runtime.cycles`), 
 route to a streamed parameter (``.data``, ``copy_``, ``load_state_dict``, hooks, ``autograd.grad``,
 ``backward(inputs=...)``) is either right or a one-line error."""
 
+import copy
 import warnings
 
 import pytest
@@ -17,7 +18,8 @@ from storm_compile.runtime.cycles import STABLE_CYCLES
 from storm_compile.runtime.streams import get_runtime
 from storm_compile.weights import streaming
 from storm_compile.weights.streaming import StormWriteError
-from test_streaming import MICRO_BATCHES, _budget_with_room, _pair
+from storm_compile.cli.models import build_llama
+from test_streaming import MICRO_BATCHES, RESIDENT_BYTES, SHAPE, _budget_with_room, _pair
 
 STEPS = STABLE_CYCLES + 2
 """Steps that learn the loop, then steps that take the fast path."""
@@ -395,6 +397,51 @@ def test_host_weight_changes_reach_the_device_copy_before_its_next_read(route):
             net.zero_grad()
         losses[id(net)] = seen
     assert losses[id(model)] == pytest.approx(losses[id(reference)])
+
+
+@pytest.mark.parametrize("route", ["none", *WRITES])
+def test_a_frozen_weight_kept_on_the_device_is_copied_once_unless_written(route, monkeypatch):
+    """A frozen base kept on the device under a byte budget beside trained norms (LoRA's
+    shape): once compiled (the first call's compile reads the streamed weights' ``.data``,
+    so the first two steps copy them again), the norms' AdamW steps copy no base weight again,
+    a write to the base after the third step (through ``route``) reaches the device copies
+    before the next read, and the losses are the unstreamed model's."""
+    torch.manual_seed(0)
+    reference, batch = build_llama(SHAPE)
+    for param in reference.parameters():
+        param.requires_grad_(param.numel() * param.element_size() < RESIDENT_BYTES)
+    model = copy.deepcopy(reference)
+    streaming.stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    budget = f"{_budget_with_room(1 << 30)}B"
+    runtime = get_runtime()
+    copies = []
+    copy_from_host = runtime.copy_from_host
+    monkeypatch.setattr(runtime, "copy_from_host",
+                        lambda dst, host: (copies.append(host), copy_from_host(dst, host)))
+    losses, copied = {}, []
+    for net, backend in ((reference, storm(**CPU_TEST_OPTIONS)),
+                         (model, storm(**{**CPU_TEST_OPTIONS, "offload": "hidden",
+                                          "memory_budget": budget}))):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)   # frozen too
+        run = torch.compile(net, backend=backend)
+        losses[net] = []
+        for step in range(5):
+            copies.clear()
+            loss = run(*batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[net].append(loss.item())
+            if net is model:
+                copied.append(len(copies))
+            if step == 2 and route != "none":
+                with torch.no_grad():
+                    WRITES[route](net, {id(p): torch.full_like(p, LR) for p in net.parameters()})
+    frozen = sum(not p.requires_grad for p in model.parameters())
+    written = frozen if route != "none" else 0
+    assert copied[2:] == [0, written, 0], "a frozen weight copied after a write, not after " \
+                                          "the norms' steps"
+    assert losses[model] == pytest.approx(losses[reference])
 
 
 def test_autograd_grad_over_a_streamed_parameter_is_an_error_and_leaves_grad_alone():

@@ -192,6 +192,22 @@ def test_profile_without_the_host_rates_asks_for_a_new_calibration(tmp_path):
         DeviceProfile.from_json(path)
 
 
+def test_the_matmul_rate_is_timed_over_a_burst_of_products_as_long_as_a_step_runs_them():
+    from storm_compile.cost.calibrate import MATMUL_BURST_S, sustained_flops
+
+    single_s = MATMUL_BURST_S / 39.5
+    timed = []
+
+    def timer(work, repeats=1):
+        work()
+        timed.append(repeats)
+        return single_s if len(timed) == 1 else 0.5
+
+    flops = sustained_flops(8, torch.float32, device="cpu", timer=timer)
+    assert timed == [1, 3]
+    assert flops == pytest.approx(2 * 8**3 * 40 / 0.5)
+
+
 def _materialized(fn, *shapes) -> dict[str, bool]:
     """Whether each call of ``fn``, traced with fake inputs of ``shapes``, writes memory."""
     from torch._subclasses.fake_tensor import FakeTensorMode

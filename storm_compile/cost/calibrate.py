@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import statistics
@@ -31,12 +32,18 @@ SMALL_COPY_BYTES = 64 << 10
 """Small enough that a copy's time is almost all fixed latency."""
 MATMUL_SIZE = 8192
 FP32_MATMUL_SIZE = 4096
+MATMUL_BURST_S = 0.25
+"""How long the timed matrix products run back to back. A training step's products follow each
+other for hundreds of milliseconds, and the GPU's clock under that load is lower than in one
+product after an idle pause: through a step of the 70B shape's layers on an H200 the largest
+products ran at 703-736 TFLOP/s, where ten single 8192-square products timed 793."""
 DEVICE_COPY_BYTES = 1 << 30
 LAUNCH_PROBES = 200
 TRANSFER_PROBES = 50
 TRANSFER_PROBE_BYTES = 4 << 20
 """A typical small activation; the host time of the transfer ops does not depend on size."""
 REPEATS = 10
+BURST_REPEATS = 3
 HOST_PROBE_BYTES = 256 << 20
 """A layer's weights are tens to hundreds of MiB: this is past the host's caches, so the host
 rates are its memory's, as they are for a model's gradients and optimizer state."""
@@ -45,10 +52,10 @@ HOST_PROBE_DTYPE = torch.bfloat16
 """The dtype the host rates are timed in: streamed models keep bf16 parameters, gradients and
 AdamW state (fp32 masters would double the host memory), and the host's fused AdamW runs
 slower per byte in bf16 than in fp32 (on the H100 machine 12-13 GB/s against 18.9 GB/s)."""
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 """Part of the cache's file name: a calibration cached before what it measures changed (the
-host rates' dtype, version 2; the host rates timed with the link busy, version 3) is measured
-again."""
+host rates' dtype, version 2; the host rates timed with the link busy, version 3; matrix rates
+sustained over a burst, version 4) is measured again."""
 log = logging.getLogger("storm_compile")
 
 FALLBACK_PROFILE = "cpu-test"
@@ -67,6 +74,21 @@ def _median_seconds(work: Callable[[], None], repeats: int = REPEATS) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / MS)
     return statistics.median(times)
+
+
+def sustained_flops(size: int, dtype: torch.dtype, device: str = "cuda",
+                    timer: Callable[..., float] = _median_seconds) -> float:
+    """FLOP/s of ``size``-square products in ``dtype`` run back to back for
+    :data:`MATMUL_BURST_S` (as many as one product, timed alone, takes to fill it), timed by
+    ``timer`` after one untimed burst that brings the GPU to its loaded clock."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    count = max(1, math.ceil(MATMUL_BURST_S / timer(lambda: a @ a)))
+
+    def burst() -> None:
+        for _ in range(count):
+            a @ a
+
+    return 2 * size**3 * count / timer(burst, BURST_REPEATS)
 
 
 def calibrate(name: str | None = None) -> DeviceProfile:
@@ -100,10 +122,8 @@ def calibrate(name: str | None = None) -> DeviceProfile:
     small = _median_seconds(lambda: small_device.copy_(small_host, non_blocking=True))
     latency = max(0.0, small - SMALL_COPY_BYTES / h2d)
 
-    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
-    matmul = 2 * MATMUL_SIZE**3 / _median_seconds(lambda: a @ a)
-    b = torch.randn(FP32_MATMUL_SIZE, FP32_MATMUL_SIZE, device="cuda")
-    fp32 = 2 * FP32_MATMUL_SIZE**3 / _median_seconds(lambda: b @ b)
+    matmul = sustained_flops(MATMUL_SIZE, torch.bfloat16)
+    fp32 = sustained_flops(FP32_MATMUL_SIZE, torch.float32)
     src = torch.empty(DEVICE_COPY_BYTES, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     memory = 2 * DEVICE_COPY_BYTES / _median_seconds(lambda: dst.copy_(src))

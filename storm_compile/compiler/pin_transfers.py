@@ -20,7 +20,9 @@ instead of right after the copy, where the compute stream would stall for the wh
 Assumes: the scheduler nodes are in a legal order, and each node's ``unmet_dependencies`` name
 every buffer or operation it must follow (Inductor's own reorderings rely on the same).
 Guarantees: the result is a topological order of the same nodes; compute kernels (other than
-:func:`weight_work`'s) appear in their input order; each transfer kernel appears as soon after
+:func:`weight_work`'s and those that read it) appear in their input order; a kernel that reads
+weight work goes right after it, among the transfers placed there in FX order, unless Inductor
+ran it earlier; each transfer kernel appears as soon after
 its anchor's kernel (for a copy home's wait, and after the kernels that keep its copy's
 overlap) as its dependencies allow
 (never before a kernel it reads, never after a kernel that reads it), or right before the
@@ -44,7 +46,11 @@ storm's copies return and on constants (a quantized weight's dequantization). Su
 reads no activation, so Inductor is free to run it first; left there, it held its weight's
 bf16 copy from the graph's top, and as the FX anchor of the next prefetch it pulled that
 prefetch to the top with it. An anchor is a node that one kernel computes, in a kernel that
-reads more than constants (see :func:`placed`).
+reads more than constants (see :func:`placed`). The kernel that reads such work (the matmul
+on a dequantized weight) follows it back, where storm's FX graph has it: at the 70B shape's
+LM head Inductor ran the LoRA adapter's product first and the base product after it, so the
+dequantized vocabulary matrix (1.96 GiB) was live beside both products' logits (1.96 GiB each),
+where storm planned the base product right after the dequantization.
 """
 
 from __future__ import annotations
@@ -304,9 +310,15 @@ def placed(snodes: list[Any]) -> Placed | None:
                   order)
 
 
+def _fx_position(snode: Any, order: dict[fx.Node, int]) -> int:
+    """The position in its FX graph of the last node a scheduler node computes."""
+    return max((order[o] for o in _origins(snode) if o in order), default=len(order))
+
+
 def pin_transfers(snodes: list[Any]) -> list[Any]:
     """``snodes`` with every storm transfer kernel, and every kernel :func:`placed` moves with
-    them, back after its anchor (see module doc)."""
+    them, back after its anchor, and each kernel that reads weight work right after that work
+    (see module doc)."""
     found = placed(snodes)
     if found is None:
         return snodes
@@ -317,6 +329,12 @@ def pin_transfers(snodes: list[Any]) -> list[Any]:
     key = {id(s): (min((after(t), 1), (readers[id(s)], -1), (before(t), -1)) + (order[t],)
                    if (t := transfers.get(id(s))) is not None else (index, 0, 0))
            for index, s in enumerate(snodes)}
+    for snode in snodes:
+        if id(snode) in transfers and _transfer_node(snode) is None:
+            for reader in successors[id(snode)]:
+                if id(reader) not in transfers:
+                    follows = key[id(snode)][:2] + (_fx_position(reader, order),)
+                    key[id(reader)] = min(key[id(reader)], follows)
 
     ready = [(key[id(s)], id(s), s) for s in snodes if waiting[id(s)] == 0]
     heapq.heapify(ready)

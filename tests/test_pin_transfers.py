@@ -258,27 +258,16 @@ def test_golden_a_prefetch_after_a_dequantization_goes_before_the_matmul_that_re
 
 
 def test_golden_the_product_that_reads_a_dequantized_weight_follows_it():
-    """Inductor runs a LoRA adapter's product ``l`` (on its prefetched weight ``p``) before the
-    base product ``c`` that reads the dequantized weight ``q``. ``q`` goes back after its anchor
-    ``a``, so ``c`` follows it, in storm's FX order: else ``q`` is live beside both products (at
-    the 70B shape's LM head, a 1.96 GiB weight beside two 1.96 GiB logits, which took its
-    8 layers 1.2 GiB over a 7 GiB budget)."""
-    graph = fx.Graph()
-    x, w, b = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("b")
-    a = graph.call_function(aten.relu.default, (x,), name="a")
-    r = graph.call_function(ops.resident_weight, (w, "cuda"), name="r")
-    q = graph.call_function(aten.mul.Tensor, (r, r), name="q")
-    p = graph.call_function(ops.prefetch, (b, "cuda"), name="p")
-    c = graph.call_function(aten.mm.default, (a, q), name="c")
-    wt = graph.call_function(ops.wait_event, (p,), name="wt")
-    lora = graph.call_function(aten.mm.default, (a, wt), name="l")
-    total = graph.call_function(aten.add.Tensor, (c, lora), name="s")
-    graph.output((total,))
-    s = {"a": _SNode(a, []), "r": _SNode(r, []), "q": _SNode(q, [r]), "p": _SNode(p, []),
-         "c": _SNode(c, [a, q]), "wt": _SNode(wt, [p]), "l": _SNode(lora, [a, wt]),
-         "s": _SNode(total, [c, lora])}
-    inductor = [s[k] for k in ("a", "p", "wt", "l", "r", "q", "c", "s")]
-    assert _names(pin.pin_transfers(inductor)) == ["a", "r", "q", "p", "c", "wt", "l", "s"]
+    """Inductor runs a LoRA adapter's product (``d``, here on ``a`` and its prefetched weight)
+    before the base product ``c`` that reads the dequantized weight ``q``. ``q`` goes back after
+    its anchor ``a``, so ``c`` follows it, in storm's FX order: else ``q`` is live beside both
+    products (at the 70B shape's LM head, a 1.96 GiB weight beside two 1.96 GiB logits, which
+    took its 8 layers 1.2 GiB over a 7 GiB budget)."""
+    _, n, s = _resident_weight_graph()
+    n["d"].args = (n["a"], n["wt2"])
+    s["d"].unmet_dependencies = [_Dep("a"), _Dep("wt2")]
+    inductor = [s[k] for k in ("a", "p2", "wt2", "d", "r", "q", "c")]
+    assert _names(pin.pin_transfers(inductor)) == ["a", "r", "q", "p2", "c", "wt2", "d"]
 
 
 def test_golden_a_prefetch_whose_anchor_inductor_fused_late_goes_before_its_successor():

@@ -26,7 +26,13 @@ from storm_compile.config import MemoryBudget, StormConfig
 from storm_compile.cost.calibrate import host_rates
 from storm_compile.cost.cost_model import CostModel
 from storm_compile.cost.profiles import PROFILES, DeviceProfile
-from storm_compile.cost.simulate import device_bytes, predict_step, simulate, stepped_weights
+from storm_compile.cost.simulate import (
+    device_bytes,
+    predict_step,
+    refreshed_weights,
+    simulate,
+    stepped_weights,
+)
 from storm_compile.fx.graphs import Limits, PassContext, StormGraphs, saved_values
 from storm_compile.fx.vocabulary import (
     RECOMPUTE_TAG,
@@ -1354,6 +1360,27 @@ def test_predicted_optimizer_step_puts_micro_batches_and_the_optimizer_together(
     assert during.step_s <= after.step_s
     with pytest.raises(ValueError, match="micro_batches must be at least 1"):
         predict_step(graphs, cost, 0, overlapped=False)
+
+
+def test_a_steps_first_micro_batch_copies_the_trained_weights_kept_on_the_device_again():
+    """The optimizer changes a trained weight the plan keeps on the device, so the next step's
+    first read copies it there again, on the compute stream: the first micro-batch pays that
+    copy, the others do not; a step's prediction without kept weights is unchanged."""
+    graphs, _ = _streamed_graphs(offload="hidden",
+                                 memory_budget=asking(_budget_with_room(1 << 30)))
+    cost = _host_rates()
+    kept = refreshed_weights(graphs)
+    assert kept and kept == list(graphs.storages.resident)
+    copies = sum(cost.transfer_seconds(w.nbytes, Lane.H2D) for w in kept)
+    for micro_batches in (1, 4):
+        step = predict_step(graphs, cost, micro_batches, overlapped=False)
+        held = micro_batches > 1
+        assert step.first_micro_batch_s == pytest.approx(
+            simulate(graphs, cost, first=True, held=held).step_s + copies)
+    assert predict_step(graphs, cost, 4, overlapped=False).micro_batch_s == pytest.approx(
+        simulate(graphs, cost, held=True).step_s)
+    streamed, _ = _streamed_graphs()
+    assert not refreshed_weights(streamed)
 
 
 def test_a_steps_first_gradients_cost_the_host_no_addition():

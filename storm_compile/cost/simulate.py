@@ -41,6 +41,7 @@ from storm_compile.cost.cost_model import (
     realized_values,
 )
 from storm_compile.fx.graphs import StormGraphs, output_node, saved_values
+from storm_compile.fx.plan import ResidentWeight
 from storm_compile.fx.prediction import (
     CopyTiming,
     HostTiming,
@@ -417,13 +418,22 @@ def stepped_weights(graphs: StormGraphs) -> list[fx.Node]:
     return list(dict.fromkeys(n.args[1] for n in homes))
 
 
+def refreshed_weights(graphs: StormGraphs) -> list[ResidentWeight]:
+    """The trained weights the plan keeps on the device: the optimizer changes each of them, so
+    the first micro-batch of the next step copies it there again, on the compute stream, before
+    its first read (``TransferRuntime.mirror``). A frozen weight kept there is copied once."""
+    stepped = {w.name for w in stepped_weights(graphs)}
+    return [w for w in graphs.storages.resident if w.name in stepped]
+
+
 def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
                  overlapped: bool, accumulating: bool = False) -> StepPrediction:
     """One optimizer step of ``micro_batches`` forward and backward passes of the pair, AdamW
     (fused, on the host) over its streamed weights: after the last backward, or, ``overlapped``
     (:class:`~storm_compile.weights.streaming.OverlappedOptimizer`), on the host thread during it.
     The first micro-batch's gradients become the weights' ``.grad`` without additions (the loop
-    calls ``zero_grad`` between steps).
+    calls ``zero_grad`` between steps), and it first copies the trained weights kept on the
+    device there again (:func:`refreshed_weights`).
     ``accumulating`` (:func:`~storm_compile.weights.streaming.gradient_accumulation`): a micro-batch
     but the last does not wait for its gradients' additions, which run during the next one
     (whose end waits for them);
@@ -438,12 +448,13 @@ def predict_step(graphs: StormGraphs, cost: CostModel, micro_batches: int,
     last = first if only else simulate(graphs, cost, steps=overlapped, folded=True)
     optimizer = 0.0 if overlapped else sum(
         cost.host_step_seconds(_storage_bytes(w)) for w in stepped_weights(graphs))
-    opening, opening_wait = first.step_s, first.host_wait_s
+    refresh = sum(cost.transfer_seconds(w.nbytes, Lane.H2D) for w in refreshed_weights(graphs))
+    opening, opening_wait = first.step_s + refresh, first.host_wait_s
     micro, wait = each.step_s, each.host_wait_s
     if accumulating and not only:
         adding = sum(h.end_s - h.start_s for h in each.host if h.work == "add")
         micro, wait = max(each.step_s - each.host_wait_s, adding), 0.0
-        opening, opening_wait = first.step_s - first.host_wait_s, 0.0
+        opening, opening_wait = first.step_s + refresh - first.host_wait_s, 0.0
     return StepPrediction(micro_batches=micro_batches, overlapped=overlapped,
                           accumulating=accumulating, first_micro_batch_s=opening,
                           micro_batch_s=micro, last_micro_batch_s=last.step_s,

@@ -77,7 +77,8 @@ class StepPrediction:
     them)."""
     first_micro_batch_s: float
     """The first forward and backward, whose gradients become the weights' ``.grad`` without
-    an addition (with one micro-batch, also the last)."""
+    an addition (with one micro-batch, also the last), and the copies to the device of the
+    trained weights kept there, which the optimizer changed."""
     micro_batch_s: float
     """A forward and backward whose gradients the host adds (accumulating: the host's
     additions when they take longer than the forward and backward)."""

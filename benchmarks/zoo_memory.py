@@ -49,7 +49,7 @@ from storm_compile.config import PRESETS
 from storm_compile.cost.simulate import device_bytes, simulate
 
 REFERENCE = "compile"
-PEAK_FRACTIONS = (0.9, 0.75)
+PEAK_FRACTIONS = (0.9, 0.75, 0.65)
 """Byte budgets measured, as fractions of ``compile``'s step peak."""
 PEAK_METHOD = "storm-peak-"
 METHODS = (REFERENCE, "storm", "storm-budget-0.5", "storm-measured-budget-0.5",

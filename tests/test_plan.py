@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from helpers import CPU_TEST_OPTIONS, asking, capture, cost_model, nodes, step
 from storm_compile import storm
 from storm_compile.compiler.backend import StormBackend
+from storm_compile.compiler import pipeline
 from storm_compile.compiler.pipeline import run_passes
 from storm_compile.config import StormConfig
 from storm_compile.cost.simulate import device_bytes, simulate
@@ -224,6 +225,34 @@ def test_a_byte_budget_bounds_the_predicted_device_peak(name):
                                         "prefetch_window_bytes": 0}))
     budget = (unplanned + low) // 2
     assert _device_peak(capture(name, **_budget_options(asking(budget)))) <= budget
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_plan_is_planned_again_for_its_link_bound_offloads_only_when_it_waits_on_copies(
+        name, monkeypatch):
+    """The search plans a byte budget's graph again (``pipeline._relieved``) only when its
+    predicted step waits on copies for more than ``RELIEF_SHARE`` of itself and it offloads
+    storages whose copies cannot hide; it keeps a new plan only when that is faster."""
+    seen, tries = [], []
+    relieved, relief = pipeline._relieved, pipeline._relief
+
+    def first(graphs, ctx, planned, prediction, room):
+        seen.append((planned, prediction, relieved(graphs, ctx, planned, prediction, room)))
+        return seen[-1][2]
+
+    monkeypatch.setattr(pipeline, "_relieved", first)
+    monkeypatch.setattr(pipeline, "_relief", lambda *args: tries.append(relief(*args))
+                        or tries[-1])
+    unplanned = _device_peak(capture(name, **_budget_options(1.0)))
+    low = _device_peak(capture(name, **{**PLAN_OPTIONS, "offload": "all",
+                                        "prefetch_window_bytes": 0}))
+    capture(name, **_budget_options(asking((unplanned + low) // 2)))
+    (planned, prediction, kept), = seen
+    bound = [s for s, d in planned.storages
+             if d.action is Action.OFFLOAD and not d.figures.hides]
+    waits = prediction.exposed_transfer_s > pipeline.RELIEF_SHARE * prediction.step_s
+    assert bool(tries) == bool(bound and waits)
+    assert kept is None or kept.prediction.step_s < prediction.step_s
 
 
 def test_a_byte_budget_below_the_least_peak_names_it():

@@ -34,6 +34,7 @@ from storm_compile.cost.simulate import (
     stepped_weights,
 )
 from storm_compile.fx.graphs import Limits, PassContext, StormGraphs, saved_values
+from storm_compile.fx.plan import Action
 from storm_compile.fx.vocabulary import (
     RECOMPUTE_TAG,
     Lane,
@@ -525,6 +526,56 @@ def test_a_byte_budget_plans_both_ways_to_fit_and_keeps_the_faster(monkeypatch):
     assert all(fit.ctx.config == config for fit in fits), "the user's options stay as given"
     fastest = min(fit.prediction.step_s for fit in fits)
     assert simulate(graphs, cost_model()).step_s <= fastest
+
+
+def test_a_plan_waiting_on_its_copies_rebuilds_link_bound_offloads_where_that_is_faster(
+        monkeypatch):
+    """Under a byte budget the tiny streamed Llama's plan waits on its copies: the search plans
+    it again with its largest link-bound offloads priced with both copies, keeps the fastest
+    plan, and the gradients are the unstreamed model's."""
+    firsts, tries = [], []
+    relieved, relief = pipeline._relieved, pipeline._relief
+
+    def first(graphs, ctx, planned, prediction, room):
+        firsts.append((planned, prediction))
+        return relieved(graphs, ctx, planned, prediction, room)
+
+    def tried(graphs, ctx, bound, room):
+        tries.append((bound, relief(graphs, ctx, bound, room)))
+        return tries[-1][1]
+
+    monkeypatch.setattr(pipeline, "_relieved", first)
+    monkeypatch.setattr(pipeline, "_relief", tried)
+    peak, _ = _unbudgeted_device_peak()
+    options = {"offload": "hidden", "memory_budget": asking(int(peak * 0.9))}
+    graphs, config = _streamed_graphs(**options)
+    (planned, prediction), = firsts
+    assert prediction.exposed_transfer_s > pipeline.RELIEF_SHARE * prediction.step_s
+    bound = {s.root.name: s.nbytes for s, d in planned.storages
+             if d.action is Action.OFFLOAD and not d.figures.hides}
+    assert tries and all(names and names <= bound.keys() for names, _ in tries)
+    smallest_named = min(bound[n] for n in tries[0][0])
+    assert all(size <= smallest_named for n, size in bound.items() if n not in tries[0][0]), \
+        "the largest are named first"
+    fits = [fit for _, fit in tries if fit is not None]
+    fastest = min(fits, key=lambda fit: fit.prediction.step_s)
+    assert fastest.prediction.step_s < prediction.step_s
+    assert fastest.ctx.limits.link_bound and fastest.ctx.config == config
+    cost = cost_model()
+    for storage, decision in fastest.graphs.storages:
+        if storage.root.name in fastest.ctx.limits.link_bound \
+                and decision.action is Action.OFFLOAD:
+            assert not decision.figures.hides
+            assert decision.figures.offload_s == pytest.approx(sum(
+                cost.transfer_seconds(storage.link_bytes, lane) for lane in (Lane.D2H, Lane.H2D)))
+    assert simulate(graphs, cost).step_s <= simulate(planned, cost).step_s
+
+    torch._dynamo.reset()
+    reference, model, batch = _pair()
+    _run(reference, "aot_eager")(*batch).backward()
+    _run(model, storm(**{**CPU_TEST_OPTIONS, **options}))(*batch).backward()
+    for grad, expected in zip(_grads(model), _grads(reference)):
+        torch.testing.assert_close(grad, expected)
 
 
 def test_a_byte_budget_below_every_plans_peak_names_where_the_peak_is():

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -209,6 +210,12 @@ the activations could not take (the other: the window hides the weights' copies)
 once the activations are at their minimum. Each round plans the graph once more: only a graph
 over its budget pays for them."""
 
+RELIEF_SHARE = 0.02
+"""A byte budget's plan whose predicted step waits on copies for more than this share of
+itself is planned again with some of its link-bound offloads rebuilt (:func:`_relieved`): the
+default ``max_overhead``, below which those plans would cost more compile time than the step
+could gain."""
+
 RESIDENT_ROUNDS = 3
 """Plans a streamed graph gets to keep weights on the device with the room its fitting plan
 left under a byte budget: a weight kept there is also cloned while it is read, and stops being
@@ -250,12 +257,15 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
        least peak seen and where it is when neither fits the budget; keep the least with a
        warning when it fits the budget but not beside what the step's earlier graphs hold, or
        for a run the step's ledger planned again (``Limits.peak_error``);
-    2. for a graph that streams weights, plan again with the room the fitting plan left
+    2. when the fitting plan's predicted step waits on its copies, plan again with some of
+       its link-bound offloads priced with both copies, which rebuilds them where that costs
+       less, and keep the fastest (:func:`_relieved`);
+    3. for a graph that streams weights, plan again with the room the fitting plan left
        (``PassContext.resident_room``) for ``plan_weights`` to keep weights on the device
        (:func:`_with_residents`), and, unless
        that kept every streamed weight, once more from a plan whose activation target is lower
        by up to the streamed weights' bytes (activations traded for weights kept);
-    3. in the room each of those plans' peak leaves under the user's budget, sum the gradients
+    4. in the room each of those plans' peak leaves under the user's budget, sum the gradients
        of its resident weights on the device (``plan_gradient_sums``, then ``insert_transfers``
        gives their sends the weights: a sum holds the weight's bytes and changes nothing else
        of the plan), and keep the plan whose predicted step of two micro-batches is the fastest
@@ -299,6 +309,10 @@ def plan_within_budget(graphs: StormGraphs, ctx: PassContext) -> StormGraphs:
                 f"({least.nbytes / GIB:.3f} GiB), is over the {room} bytes the step's "
                 f"memory_budget leaves it: {cause}", RuntimeWarning, stacklevel=2)
             return _with_peak(least.graphs, least.nbytes)
+    relieved = _relieved(graphs, ctx, planned, prediction, room)
+    if relieved is not None:
+        planned, prediction, ctx, peak, first = (relieved.graphs, relieved.prediction,
+                                                 relieved.ctx, relieved.peak, relieved.decided)
     if not streams:
         return _with_peak(planned, peak)
     candidates = [_Candidate(prediction.step_s, planned, peak)]
@@ -417,6 +431,60 @@ def _fit_peak(graphs: StormGraphs, ctx: PassContext,
             return _Fit(planned, prediction, ctx, peak, decided)
         least = min(least, _peak_at(peak, prediction, planned), key=lambda seen: seen.nbytes)
     return least
+
+
+def _relieved(graphs: StormGraphs, ctx: PassContext, planned: StormGraphs,
+              prediction: Prediction, room: int) -> _Fit | None:
+    """The fastest of the plans that rebuild some of ``planned``'s link-bound offloads instead,
+    when its predicted step waits on copies for more than :data:`RELIEF_SHARE` of itself; None
+    when none is faster or fits ``room``.
+
+    ``plan_memory`` prices an offload whose copies cannot hide with its D2H copy, which
+    stretches the forward; where the backward's H2D lane is saturated too, its prefetch
+    stretches the backward as well, and rebuilding it there can cost less than the two copies.
+    Each try plans the graph again from a fresh split with the ``k`` largest of ``planned``'s
+    link-bound offloads named in ``Limits.link_bound``, priced with both
+    copies: ``k`` at half of them and at all, then at the quarters around half when half is the
+    fastest: four plans at most. Rebuilding moves time from the link to the compute stream, so
+    the search looks for the count between none and all at which the two balance."""
+    bound = [s.root.name for s, d in sorted(planned.storages, key=lambda sd: -sd[0].nbytes)
+             if d.action is Action.OFFLOAD and not d.figures.hides]
+    if not bound or prediction.exposed_transfer_s <= RELIEF_SHARE * prediction.step_s:
+        return None
+    tried: dict[int, _Fit | None] = {}
+
+    def step_s(count: int) -> float:
+        if count not in tried:
+            tried[count] = _relief(graphs, ctx, frozenset(bound[:count]), room)
+        fit = tried[count]
+        return math.inf if fit is None else fit.prediction.step_s
+
+    half = len(bound) // 2
+    if half and step_s(half) < min(step_s(len(bound)), prediction.step_s):
+        for count in {half // 2, (half + len(bound)) // 2} - {0, half, len(bound)}:
+            step_s(count)
+    else:
+        step_s(len(bound))
+    fits = [fit for fit in tried.values() if fit is not None]
+    fastest = min(fits, key=lambda fit: fit.prediction.step_s, default=None)
+    return fastest if fastest is not None \
+        and fastest.prediction.step_s < prediction.step_s else None
+
+
+def _relief(graphs: StormGraphs, ctx: PassContext, bound: frozenset[str], room: int
+            ) -> _Fit | None:
+    """The graph planned again with the offloads of ``bound`` priced with both copies
+    (``Limits.link_bound``); None when the step's ledger refuses the plan or its peak does not
+    fit ``room``."""
+    relieved = dataclasses.replace(ctx, limits=dataclasses.replace(
+        ctx.limits, link_bound=ctx.limits.link_bound | bound))
+    try:
+        decided = _decide(graphs, relieved)
+    except StormBudgetError:
+        return None
+    planned = _transfers(decided, relieved)
+    peak, prediction = _peak(planned, relieved)
+    return _Fit(planned, prediction, relieved, peak, decided) if peak <= room else None
 
 
 def _traded(graphs: StormGraphs, ctx: PassContext, budget: int) -> list[_Candidate]:

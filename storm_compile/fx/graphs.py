@@ -167,6 +167,10 @@ class Limits:
     budget_bytes: int | None = None
     prefetch_window_bytes: int | None = None
     recompute: bool | None = None
+    link_bound: frozenset[str] = frozenset()
+    """Storages (their roots' forward node names) whose copies a realised plan of the graph
+    could not hide: ``plan_memory`` prices offloading one with both its copies, the forward's
+    and the backward's, where the link stretches both passes, against rebuilding it."""
     peak_error: bool = True
     """Whether a byte budget's device peak that no plan fits is an error (a graph's first
     plan), or the plan is kept with a warning (a run the step's ledger planned again, in the

@@ -356,7 +356,8 @@ def _summed(candidate: _Candidate, user: PassContext, room: int) -> _Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class _Fit:
-    """A plan whose predicted device peak fits the byte budget, and what it was planned with."""
+    """A plan made from a fresh split (:func:`_replanned`), and what it was planned with: as
+    the search returns one, its predicted device peak fits the byte budget."""
 
     graphs: StormGraphs
     prediction: Prediction
@@ -421,14 +422,12 @@ def _fit_peak(graphs: StormGraphs, ctx: PassContext,
         weights = now
         ctx = dataclasses.replace(ctx, limits=dataclasses.replace(
             ctx.limits, budget_bytes=lowered, prefetch_window_bytes=window))
-        try:
-            decided = _decide(graphs, ctx)
-        except StormBudgetError:
+        fit = _replanned(graphs, ctx)
+        if fit is None:
             return least
-        planned = _transfers(decided, ctx)
-        peak, prediction = _peak(planned, ctx)
-        if peak <= room:
-            return _Fit(planned, prediction, ctx, peak, decided)
+        if fit.peak <= room:
+            return fit
+        planned, prediction, peak = fit.graphs, fit.prediction, fit.peak
         least = min(least, _peak_at(peak, prediction, planned), key=lambda seen: seen.nbytes)
     return least
 
@@ -476,15 +475,9 @@ def _relief(graphs: StormGraphs, ctx: PassContext, bound: frozenset[str], room: 
     """The graph planned again with the offloads of ``bound`` priced with both copies
     (``Limits.link_bound``); None when the step's ledger refuses the plan or its peak does not
     fit ``room``."""
-    relieved = dataclasses.replace(ctx, limits=dataclasses.replace(
-        ctx.limits, link_bound=ctx.limits.link_bound | bound))
-    try:
-        decided = _decide(graphs, relieved)
-    except StormBudgetError:
-        return None
-    planned = _transfers(decided, relieved)
-    peak, prediction = _peak(planned, relieved)
-    return _Fit(planned, prediction, relieved, peak, decided) if peak <= room else None
+    fit = _replanned(graphs, dataclasses.replace(ctx, limits=dataclasses.replace(
+        ctx.limits, link_bound=ctx.limits.link_bound | bound)))
+    return fit if fit is not None and fit.peak <= room else None
 
 
 def _traded(graphs: StormGraphs, ctx: PassContext, budget: int) -> list[_Candidate]:
@@ -493,17 +486,25 @@ def _traded(graphs: StormGraphs, ctx: PassContext, budget: int) -> list[_Candida
     other half left to their gradients' sums, which take a kept weight's bytes again); none
     when the step's ledger refuses the lower target or its peak does not fit ``budget``, and
     only those that keep a weight."""
+    traded = _replanned(graphs, ctx)
+    if traded is None or traded.peak > budget:
+        return []
+    tries = (_with_residents(traded.decided, ctx, budget, traded.graphs, room)
+             for room in (budget - traded.peak, (budget - traded.peak) // 2))
+    return [kept for kept in tries if kept is not None]
+
+
+def _replanned(graphs: StormGraphs, ctx: PassContext) -> _Fit | None:
+    """The graph planned again from a fresh split with ``ctx`` (:func:`_decide`) and rewritten,
+    with its prediction and predicted device peak; None when the step's ledger refuses the
+    plan's target."""
     try:
         decided = _decide(graphs, ctx)
     except StormBudgetError:
-        return []
-    traded = _transfers(decided, ctx)
-    peak, _ = _peak(traded, ctx)
-    if peak > budget:
-        return []
-    tries = (_with_residents(decided, ctx, budget, traded, room)
-             for room in (budget - peak, (budget - peak) // 2))
-    return [kept for kept in tries if kept is not None]
+        return None
+    planned = _transfers(decided, ctx)
+    peak, prediction = _peak(planned, ctx)
+    return _Fit(planned, prediction, ctx, peak, decided)
 
 
 def _with_residents(decided: StormGraphs, ctx: PassContext, budget: int, fitting: StormGraphs,

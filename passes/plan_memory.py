@@ -5,9 +5,9 @@ The model. Removing storage ``i`` (``b_i`` bytes) from the device at the end of 
   * ``o_i`` if offloaded: the host time of its six transfer ops (``transfer_host_s``, measured by
     ``storm calibrate``: step time when the step is host-bound), plus, when ``place`` says its
     copies cannot hide beside all the others on the link, the D2H copy time (latency + ``b_i`` /
-    bandwidth), by which a saturated link stretches the forward, and for a storage the search
-    names in ``ctx.limits.link_bound`` (its copies did not hide in a realised plan) the H2D copy
-    time too, by which it stretches the backward;
+    bandwidth), by which a saturated link stretches the forward, and, where recomputation is
+    being decided, for a storage the search names in ``ctx.limits.link_bound`` (its copies did
+    not hide in a realised plan) the H2D copy time too, by which it stretches the backward;
   * ``r_i`` if recomputed: the predicted compute of its recompute chain (the forward nodes between
     it and the values that stay saved, or the graph inputs); impossible when the chain draws
     random numbers or makes a data-dependent choice (``topk``, ``argmax``, ``sort``, the
@@ -174,7 +174,7 @@ def _items(graphs: StormGraphs, movable: tuple[Storage, ...],
     for storage in movable:
         chain, why_not = ((), no_recompute) if no_recompute else _recompute_chain(
             storage.root, list(storage.members), saved)
-        bound = storage.root.name in ctx.limits.link_bound
+        bound = not no_recompute and storage.root.name in ctx.limits.link_bound
         hides = isinstance(hiding[storage.root], Placement) and not bound
         lanes = (Lane.D2H, Lane.H2D) if bound else () if hides else (Lane.D2H,)
         items.append(_Item(storage, Figures(

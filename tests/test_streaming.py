@@ -530,9 +530,10 @@ def test_a_byte_budget_plans_both_ways_to_fit_and_keeps_the_faster(monkeypatch):
 
 def test_a_plan_waiting_on_its_copies_rebuilds_link_bound_offloads_where_that_is_faster(
         monkeypatch):
-    """Under a byte budget the tiny streamed Llama's plan waits on its copies: the search plans
-    it again with its largest link-bound offloads priced with both copies, keeps the fastest
-    plan, and the gradients are the unstreamed model's."""
+    """Under a byte budget the tiny streamed Llama's plan, free to recompute, waits on its
+    copies: the search plans it again with its largest link-bound offloads priced with both
+    copies where recomputation is decided, which rebuilds some of them, keeps the fastest plan,
+    and the gradients are the unstreamed model's."""
     firsts, tries = [], []
     relieved, relief = pipeline._relieved, pipeline._relief
 
@@ -547,7 +548,7 @@ def test_a_plan_waiting_on_its_copies_rebuilds_link_bound_offloads_where_that_is
     monkeypatch.setattr(pipeline, "_relieved", first)
     monkeypatch.setattr(pipeline, "_relief", tried)
     peak, _ = _unbudgeted_device_peak()
-    options = {"offload": "hidden", "memory_budget": asking(int(peak * 0.9))}
+    options = {"offload": "hidden", "recompute": True, "memory_budget": asking(int(peak * 0.8))}
     graphs, config = _streamed_graphs(**options)
     (planned, prediction), = firsts
     assert prediction.exposed_transfer_s > pipeline.RELIEF_SHARE * prediction.step_s
@@ -562,12 +563,17 @@ def test_a_plan_waiting_on_its_copies_rebuilds_link_bound_offloads_where_that_is
     assert fastest.prediction.step_s < prediction.step_s
     assert fastest.ctx.limits.link_bound and fastest.ctx.config == config
     cost = cost_model()
+    rebuilt = [(storage, decision) for storage, decision in fastest.graphs.plan.recomputed
+               if storage.root.name in fastest.ctx.limits.link_bound]
+    assert rebuilt, "a named offload is rebuilt instead"
+    for storage, decision in rebuilt:
+        assert not decision.figures.hides
+        assert decision.figures.offload_s == pytest.approx(sum(
+            cost.transfer_seconds(storage.link_bytes, lane) for lane in (Lane.D2H, Lane.H2D)))
+        assert decision.figures.recompute_s < decision.figures.offload_s
     for storage, decision in fastest.graphs.storages:
-        if storage.root.name in fastest.ctx.limits.link_bound \
-                and decision.action is Action.OFFLOAD:
-            assert not decision.figures.hides
-            assert decision.figures.offload_s == pytest.approx(sum(
-                cost.transfer_seconds(storage.link_bytes, lane) for lane in (Lane.D2H, Lane.H2D)))
+        if decision.action is Action.OFFLOAD and decision.figures.hides:
+            assert decision.figures.offload_s == 0, "a realised offload is priced as placed"
     assert simulate(graphs, cost).step_s <= simulate(planned, cost).step_s
 
     torch._dynamo.reset()

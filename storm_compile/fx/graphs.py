@@ -169,8 +169,9 @@ class Limits:
     recompute: bool | None = None
     link_bound: frozenset[str] = frozenset()
     """Storages (their roots' forward node names) whose copies a realised plan of the graph
-    could not hide: ``plan_memory`` prices offloading one with both its copies, the forward's
-    and the backward's, where the link stretches both passes, against rebuilding it."""
+    could not hide: where recomputation is decided, ``plan_memory`` prices offloading one with
+    both its copies, the forward's and the backward's, against rebuilding it; the realised
+    split prices its offloads as placed."""
     peak_error: bool = True
     """Whether a byte budget's device peak that no plan fits is an error (a graph's first
     plan), or the plan is kept with a warning (a run the step's ledger planned again, in the

@@ -462,6 +462,57 @@ def test_streamed_training_on_the_gpu_matches_the_resident_model(slow_host_profi
         torch.testing.assert_close(param, expected, rtol=1e-4, atol=1e-4)
 
 
+class _FakeStream:
+    """A CUDA stream's stand-in on a machine without CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+def test_cuda_and_cuda_0_share_each_copy_stream(monkeypatch):
+    """A streamed weight's fetch names the device as the user wrote it (``"cuda"``), an
+    activation's prefetch as its tensor has it (``cuda:0``): both copy on one H2D stream, whose
+    order is the order they were issued in, as placed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    runtime = TransferRuntime()
+    for stream in (runtime.h2d_stream, runtime.d2h_stream):
+        assert stream(torch.device("cuda")) is stream(torch.device("cuda", 0))
+        assert stream(torch.device("cuda", 1)) is not stream(torch.device("cuda", 0))
+    assert runtime.h2d_stream(torch.device("cuda")) is not runtime.d2h_stream(
+        torch.device("cuda"))
+    assert streams.indexed(torch.device("cuda")) == torch.device("cuda", 0)
+    assert streams.indexed(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.gpu
+def test_weights_and_activations_come_to_the_gpu_on_one_stream(monkeypatch):
+    """A model streamed to ``"cuda"`` with activations offloaded: every copy to the device of a
+    step (weights' fetches, activations' prefetches) runs on one stream."""
+    torch.manual_seed(0)
+    model, batch = build_llama(SHAPE, device="cpu")
+    batch = tuple(t.cuda() for t in batch)
+    stream_parameters(model, "cuda", resident_bytes=RESIDENT_BYTES)
+    used = []
+    launch = TransferRuntime.launch_copy
+
+    def recording(self, dst, src, stream, device, host_reads=False):
+        if src.device.type == "cpu":
+            used.append(stream)
+        launch(self, dst, src, stream, device, host_reads)
+
+    monkeypatch.setattr(TransferRuntime, "launch_copy", recording)
+    graphs = []
+    backend = StormBackend(StormConfig.from_options(min_offload_bytes=0, offload="all"),
+                           observer=graphs.append)
+    torch.compile(model, backend=backend)(*batch).backward()
+    torch.cuda.synchronize()
+    assert graphs[0].storages.with_action(Action.OFFLOAD)
+    assert len(used) > len(graphs[0].storages.with_action(Action.OFFLOAD))
+    assert len({id(s) for s in used}) == 1
+
+
 def _unbudgeted_device_peak() -> tuple[int, int]:
     """The streamed tiny Llama's predicted device peak without a budget, and the device weights
     a byte budget pays for first."""

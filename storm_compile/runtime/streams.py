@@ -280,6 +280,14 @@ class _FoldBuffer:
     free: torch.cuda.Event | None = None
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index where CUDA is present: ``cuda`` names the current CUDA device,
+    and compares unequal to ``cuda:0`` (a dictionary keyed by devices holds both apart)."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
@@ -627,11 +635,18 @@ class TransferRuntime:
         """Gradients folded into their host sums on the device so far."""
 
     def d2h_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The device's one stream for copies to the host."""
+        device = indexed(device)
         if device not in self._d2h:
             self._d2h[device] = torch.cuda.Stream(device=device)
         return self._d2h[device]
 
     def h2d_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The device's one stream for copies from the host: activations' prefetches and
+        weights' fetches queue on it in the order they are issued, as the placement and the
+        simulator order them (copies on two streams run in an order of the copy engines'
+        choosing: a weight needed now can wait behind activations needed later)."""
+        device = indexed(device)
         if device not in self._h2d:
             self._h2d[device] = torch.cuda.Stream(device=device)
         return self._h2d[device]

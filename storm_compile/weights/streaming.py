@@ -40,7 +40,7 @@ from storm_compile.fx.vocabulary import (
 )
 from storm_compile.runtime import ops
 from storm_compile.runtime.cycles import OVERLAPPABLE, ParameterStep
-from storm_compile.runtime.streams import _TENSOR_GRAD, get_runtime, pin_quickly
+from storm_compile.runtime.streams import _TENSOR_GRAD, get_runtime, indexed, pin_quickly
 from storm_compile.weights.host_residency import HostResidentParametrizationList, keep_on_host
 from storm_compile.weights.quantize import Packed, StormQuantizeError, check, dequantize, quantize
 
@@ -436,7 +436,7 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
             or optimizer_states < 0:
         raise ValueError(f"stream_parameters: optimizer_states must be an int >= 0, got "
                          f"{optimizer_states!r}")
-    device = torch.device(device)
+    device = indexed(torch.device(device))
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         raise ValueError("stream_parameters: the model already has parametrizations (streamed "
                          "already?); call it once, on a plain model")

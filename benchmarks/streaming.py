@@ -636,7 +636,8 @@ def _parse(argv):
                         help="comma-separated methods whose each throughput point also profiles "
                              "one more step: its trace in --out, and in results.json the compute "
                              "stream's busy fraction and idle time, split by the copy it waited "
-                             "on (home, to the device, none)")
+                             "on (home, to the device, none), and each direction's copy time by "
+                             "stream")
     parser.add_argument("--peak-history", default="",
                         help="comma-separated methods whose each throughput point also records "
                              "one more step's allocator history: in results.json what is live "

@@ -59,6 +59,11 @@ class Overlap:
     copy_overlap_fraction: float
     compute_stream: int
     copy_streams: tuple[int, ...]
+    h2d_us_by_stream: dict[int, float]
+    """Copy time to the device by the stream it ran on: storm's prefetches and weights' fetches
+    share one stream (a fold's loads have their own)."""
+    d2h_us_by_stream: dict[int, float]
+    """Copy time home by stream."""
     idle_us: float
     """Compute stream idle between its first and last kernel."""
     idle_on_d2h_us: float
@@ -119,11 +124,20 @@ def analyse(trace_path: str | Path) -> Overlap:
         copy_overlap_fraction=overlapped / copy_total if copy_total else 0.0,
         compute_stream=compute_stream,
         copy_streams=tuple(sorted({_stream(c) for c in d2h + h2d})),
+        h2d_us_by_stream=_by_stream(h2d), d2h_us_by_stream=_by_stream(d2h),
         idle_us=sum(idle.values()), idle_on_d2h_us=idle["DtoH"], idle_on_h2d_us=idle["HtoD"],
         kernel_us=sum(k["dur"] for k in kernels),
         compute_copy_us=sum(c["dur"] for c in copies if _stream(c) == compute_stream),
         gaps=_gaps([e for e in kernels + copies if _stream(e) == compute_stream]),
     )
+
+
+def _by_stream(copies: list[dict]) -> dict[int, float]:
+    """GPU time of ``copies`` by stream."""
+    spent: dict[int, float] = collections.defaultdict(float)
+    for copy in copies:
+        spent[_stream(copy)] += copy["dur"]
+    return dict(sorted(spent.items()))
 
 
 def _gaps(work: list[dict]) -> tuple[Gap, ...]:
@@ -214,10 +228,11 @@ def matmul_kernels(trace_path: str | Path) -> list[MatmulKernels]:
 def profiled(step: Callable[[], object], cuda: bool, trace: Path) -> dict:
     """Run ``step`` once under ``torch.profiler`` and write its Chrome trace to ``trace``; the
     figures a benchmark row gets: the trace's path, and on CUDA (:func:`analyse`) the compute
-    stream's busy fraction, D2H and H2D copy time, the fraction of copy time hidden, and the
-    compute stream's idle time, split by the copy it waited on, in milliseconds, and the GPU
-    time of every kernel, of the copies on the compute stream and of the matrix products', those
-    by their shapes (:func:`matmul_kernels`), and the compute stream's longest idle gaps."""
+    stream's busy fraction, D2H and H2D copy time (in all and by stream), the fraction of copy
+    time hidden, and the compute stream's idle time, split by the copy it waited on, in
+    milliseconds, and the GPU time of every kernel, of the copies on the compute stream and of
+    the matrix products', those by their shapes (:func:`matmul_kernels`), and the compute
+    stream's longest idle gaps."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -231,6 +246,10 @@ def profiled(step: Callable[[], object], cuda: bool, trace: Path) -> dict:
         overlap = analyse(trace)
         figures.update(compute_busy_fraction=overlap.compute_busy_fraction,
                        d2h_ms=overlap.d2h_us / US_PER_MS, h2d_ms=overlap.h2d_us / US_PER_MS,
+                       h2d_ms_by_stream={stream: us / US_PER_MS for stream, us
+                                         in overlap.h2d_us_by_stream.items()},
+                       d2h_ms_by_stream={stream: us / US_PER_MS for stream, us
+                                         in overlap.d2h_us_by_stream.items()},
                        copy_overlap_fraction=overlap.copy_overlap_fraction,
                        idle_ms=overlap.idle_us / US_PER_MS,
                        idle_on_d2h_ms=overlap.idle_on_d2h_us / US_PER_MS,

@@ -126,6 +126,7 @@ def test_overlap_maths(tmp_path):
     overlap = analyse(trace)
     assert overlap.step_us == 220
     assert overlap.compute_stream == 7 and overlap.copy_streams == (20, 21)
+    assert overlap.h2d_us_by_stream == {21: 40} and overlap.d2h_us_by_stream == {20: 100}
     assert overlap.d2h_us == 100 and overlap.h2d_us == 40
     assert overlap.compute_busy_fraction == pytest.approx(150 / 220)
     assert overlap.copy_overlap_fraction == pytest.approx(70 / 140)
@@ -140,6 +141,7 @@ def test_idle_compute_is_put_down_to_the_copy_it_waited_on(tmp_path):
         _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 100, 60, 20),
         _event("kernel", "gemm", 170, 30, 7),
         _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 150, 130, 21),
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 280, 5, 22),
         _event("kernel", "gemm", 300, 50, 7),
         _event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 350, 10, 7),
         _event("kernel", "gemm", 600, 20, 7),
@@ -148,6 +150,7 @@ def test_idle_compute_is_put_down_to_the_copy_it_waited_on(tmp_path):
     assert overlap.idle_on_d2h_us == 70 and overlap.idle_on_h2d_us == 100
     assert overlap.idle_us == 70 + 100 + 240
     assert overlap.compute_copy_us == 10
+    assert overlap.h2d_us_by_stream == {21: 130, 22: 5}, "a second stream to the device shows"
     assert [(g.us, g.before, g.after) for g in overlap.gaps] == [
         (240, "Memcpy DtoD (Device -> Device)", "gemm"), (100, "gemm", "gemm"),
         (70, "gemm", "gemm")], "longest first, each between the work around it"

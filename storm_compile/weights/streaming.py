@@ -406,6 +406,8 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
                       weights=None) -> Streamed:
     """Move ``model``'s parameters of at least ``resident_bytes`` to host memory, read on
     ``device`` through ``storm.fetch_weight``; smaller ones move to ``device`` and stay there.
+    A CUDA ``device`` without an index is the current device at this call, as ``.to("cuda")``
+    reads it.
 
     ``host_format`` holds frozen streamed parameters (``requires_grad=False``) in 8 or 4 bits
     (``"int8"``, ``"nf4"``; :mod:`storm_compile.weights.quantize`): for the whole model, or per

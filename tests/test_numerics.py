@@ -1,12 +1,17 @@
 """Numerics: storm gives the gradients of the backends it stands in for, on every zoo model."""
 
+import logging
+
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
+import torch._inductor.lowering as inductor_lowering
 from torch._inductor.utils import run_and_get_code
 
 from helpers import CPU_TEST_OPTIONS, SEED, capture, step, transfer_count
 from storm_compile import storm
+from storm_compile.compiler import backend
 from zoo import ZOO
 
 MODELS = sorted(ZOO)
@@ -68,3 +73,37 @@ def test_embedding_backward_runs_as_aten_kernel():
     assert "aten.embedding_dense_backward" in backward
     assert "torch.float32" not in backward
     torch.testing.assert_close(embed.weight.grad, expected)
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_storm_ops_lower_as_fallbacks_registered_before_inductor_meets_them():
+    """Inductor lowers storm's ops as the fallbacks ``register_fallbacks`` gave them, not
+    through its implicit fallback (which logs each op it meets, torch 2.11 formatting the
+    line's arguments either way), and the numerics stay Inductor's; from a process's first
+    compile on (the lowerings a test left are taken out, the caches are off)."""
+    for op in backend.STORM_OPS:
+        inductor_lowering.lowerings.pop(op, None)
+    backend.register_fallbacks.cache_clear()
+    graph_log, records = logging.getLogger("torch._inductor.graph"), _Records()
+    level = graph_log.level
+    graph_log.addHandler(records)
+    graph_log.setLevel(logging.INFO)
+    try:
+        with inductor_config.patch(fx_graph_cache=False, fallback_random=True), \
+                functorch_config.patch(enable_autograd_cache=False):
+            loss, _, _ = step("mlp", storm(**{**CPU_TEST_OPTIONS, "inner": "inductor"}))
+    finally:
+        graph_log.removeHandler(records)
+        graph_log.setLevel(level)
+    implicit = [m for m in records.messages if "implicit fallback" in m and "storm." in m]
+    assert implicit == []
+    assert all(op in inductor_lowering.lowerings for op in backend.STORM_OPS)
+    torch.testing.assert_close(loss, step("mlp", None)[0], rtol=INDUCTOR_RTOL, atol=INDUCTOR_ATOL)

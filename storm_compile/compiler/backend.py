@@ -42,6 +42,7 @@ from storm_compile.fx.torch_private import (
     inductor_lowering,
     joint_graph_passes,
     list_mode_options,
+    optional,
     select_decomp_table,
     tracing,
     tree_leaves,
@@ -478,18 +479,43 @@ def inductor_joint_graph(bounds_memory: bool) -> tuple[dict, Callable[[fx.GraphM
     return (_decompositions() if bounds_memory else select_decomp_table()), joint_graph_passes
 
 
+STORM_OPS = (*ops.TRANSFER_OPS, ops.fetch_weight, ops.resident_weight, ops.grad_to_host)
+"""Every op storm puts in a graph Inductor compiles."""
+
+
+@functools.cache
+def register_fallbacks() -> None:
+    """Give each of :data:`STORM_OPS` Inductor's fallback lowering (the op's own kernel called
+    from the compiled graph) with the layout constraint Inductor's implicit fallback would give
+    it (a custom op's default layout tag), before Inductor meets it: the lowering is the same,
+    without the implicit path's log line. Torch 2.11's Inductor formats that line's arguments,
+    the whole IR of the values the op reads, whether or not the line is logged: in the streamed
+    8B Llama's backward on the H200 host, the three ops it first met there took 1.8 s of a
+    profiled compile. Where this torch lacks either helper, Inductor's implicit fallback
+    lowers the ops as before."""
+    tag_of, constraint_of = optional("layout_constraint_tag"), optional("tag_to_layout_constraint")
+    if tag_of is None or constraint_of is None:
+        return
+    for op in STORM_OPS:
+        if op not in inductor_lowering.lowerings:
+            inductor_lowering.make_fallback(op, layout_constraint=constraint_of(tag_of(op)),
+                                            warn=False)
+
+
 def _compile_graph(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):
     """Inductor's compile of one forward or backward graph, as ``torch.compile`` does it; in a
     graph with storm's transfers, Inductor's peak-memory reordering is followed by
     :func:`~storm_compile.compiler.pin_transfers.pin_transfers`, which puts the copies back where
-    storm placed them. Inductor's FX graph cache keys it on the graph and on the Inductor
-    config, which holds storm's partitioner: its key covers storm's sources."""
+    storm placed them, and storm's ops lower as :func:`register_fallbacks` registered them.
+    Inductor's FX graph cache keys it on the graph and on the Inductor config, which holds
+    storm's partitioner: its key covers storm's sources."""
     moves = any(is_transfer(n) for n in gm.graph.nodes)
     if moves and inductor_config.triton.cudagraphs:
         raise StormOptionError(
             "storm: CUDA graphs (mode='reduce-overhead' or 'max-autotune') cannot replay "
             "storm's copies, whose pinned host buffers are taken from a pool at each step; use "
             "mode='max-autotune-no-cudagraphs' or the default mode")
+    register_fallbacks()
     with inductor_config.patch(inductor_patches() if moves else {}):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 

@@ -75,10 +75,14 @@ OPTIONAL: dict[str, tuple[str, ...]] = {
     "current_graph_task_id": ("torch._C:_current_graph_task_id",),
     "set_allocator_settings": ("torch._C:_accelerator_setAllocatorSettings",
                                "torch._C:_cuda_cudaCachingAllocator_set_allocator_settings"),
+    "layout_constraint_tag": ("torch._library.utils:get_layout_constraint_tag",),
+    "tag_to_layout_constraint": ("torch._inductor.lowering:tag_to_layout_constraint",),
 }
 """Private APIs storm can do without: the running backward's id (without it a streamed
 parameter's gradient read cannot tell a backward in progress from none, and waits as outside
-one) and the caching allocator's settings (without them storm pins as torch does by default)."""
+one), the caching allocator's settings (without them storm pins as torch does by default), and
+the layout constraint Inductor gives a custom op (without it storm leaves its ops' lowering to
+Inductor's implicit fallback, which gives the same, more slowly)."""
 
 
 class StormTorchVersionError(ImportError):

@@ -56,6 +56,7 @@ PRESETS: dict[str, dict[str, object]] = {
     "storm-all-fp8": {"offload": "all", "offload_format": "fp8"},
     "storm-auto": {"memory_budget": "auto"},
     **{f"storm-budget-{fraction}": {"memory_budget": fraction} for fraction in BUDGET_SWEEP},
+    "storm-budget-0.5-fp8": {"memory_budget": 0.5, "offload_format": "fp8"},
     "storm-measured-budget-0.5": {"cost": "measured", "memory_budget": 0.5},
 }
 """Named option sets the backend offers; the benchmark harness measures each one."""

@@ -1811,3 +1811,70 @@ def test_the_backend_prepares_each_streamed_gradient_as_it_compiles(monkeypatch)
     assert len(weights) == len(sent) == len(reads.weights) - 1
     assert all(w is s for w, s in zip(weights, reversed(sent)))
     assert limit == StormConfig.from_options(**CPU_TEST_OPTIONS).host_memory_limit
+
+
+class _LoggedStream:
+    """A CUDA stream's stand-in that logs the waits queued on it."""
+
+    def __init__(self, name: str, device_index: int, log: list) -> None:
+        self.name, self.device_index, self.log = name, device_index, log
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait", self.name, event))
+
+
+class _LoggedEvent:
+    """A CUDA event's stand-in that logs where it is recorded."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def record(self, stream) -> None:
+        self.log.append(("record", stream.name, self))
+
+
+def test_a_copy_waits_for_the_compute_streams_queued_work_and_leaves_the_current_stream(
+        monkeypatch):
+    """Each copy's stream waits on an event recorded on the compute stream as the copy is
+    launched, the copy runs with its stream current, and the compute stream is current again
+    after: one event per thread is recorded again for each copy; a copy for a device other than
+    the current one goes through ``torch.cuda.stream``."""
+    log: list = []
+    compute, copies = _LoggedStream("compute", 0, log), _LoggedStream("d2h", 0, log)
+    other = _LoggedStream("compute1", 1, log)
+    current = {0: compute, 1: other}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: current[device.index])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: _LoggedEvent(log))
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: log.append(("current", s.name)))
+
+    @contextlib.contextmanager
+    def switched(stream):
+        log.append(("enter", stream.name))
+        yield
+        log.append(("exit", stream.name))
+
+    monkeypatch.setattr(torch.cuda, "stream", switched)
+    runtime = TransferRuntime()
+    src = torch.arange(4.0)
+
+    def launch(device_index: int, stream=copies) -> torch.Tensor:
+        dst = torch.zeros(4)
+        runtime.launch_copy(dst, src, stream, torch.device("cuda", device_index))
+        log.append(("copied", bool(torch.equal(dst, src))))
+        return dst
+
+    kept = [launch(0), launch(0)]
+    event = log[0][2]
+    assert log == 2 * [("record", "compute", event), ("wait", "d2h", event), ("current", "d2h"),
+                       ("current", "compute"), ("copied", True)]
+    log.clear()
+    threaded = threading.Thread(target=lambda: kept.append(launch(0)))
+    threaded.start()
+    threaded.join()
+    assert log[0][2] is not event and log[1] == ("wait", "d2h", log[0][2])
+    log.clear()
+    kept.append(launch(1))
+    assert [entry[:2] for entry in log] == [("record", "compute1"), ("wait", "d2h"),
+                                            ("enter", "d2h"), ("exit", "d2h"), ("copied", True)]
+    assert len(kept) == 4

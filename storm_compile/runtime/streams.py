@@ -560,6 +560,9 @@ class TransferRuntime:
         self._d2h: dict[torch.device, torch.cuda.Stream] = {}
         self._h2d: dict[torch.device, torch.cuda.Stream] = {}
         self._launched: dict[int, LaunchedCopy] = {}
+        self._follow: dict[tuple[int, int], torch.cuda.Event] = {}
+        """The event a copy stream waits on for the compute stream's queued work, one per
+        launching thread and device (:meth:`launch_copy`)."""
         self._events: dict[int, PendingCopy] = {}
         self._host_events: dict[int, torch.cuda.Event] = {}
         self._host_reads: dict[int, torch.cuda.Event] = {}
@@ -654,13 +657,33 @@ class TransferRuntime:
     def launch_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream,
                     device: torch.device, host_reads: bool = False) -> None:
         """Copy ``src`` into ``dst`` on ``stream``, after all the compute stream has queued;
-        ``host_reads``: the host reads ``dst`` after it (:meth:`accumulate`)."""
+        ``host_reads``: the host reads ``dst`` after it (:meth:`accumulate`).
+
+        A compiled graph calls this for every copy, so it spends little host time: ``stream``
+        waits on one event per launching thread and device, recorded on the compute stream
+        again for each copy (a wait holds the record it was queued after; a later record does
+        not move it), and the current stream is switched by ``torch.cuda.set_stream`` and back
+        where ``device`` is the current device (elsewhere through ``torch.cuda.stream``, which
+        restores the device too)."""
         host_source = src.data_ptr() if src.device.type == "cpu" else None
         if host_source is not None:
             self._host_read(src)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+        compute = torch.cuda.current_stream(device)
+        key = (threading.get_ident(), compute.device_index)
+        follow = self._follow.get(key)
+        if follow is None:
+            follow = self._follow[key] = torch.cuda.Event()
+        follow.record(compute)
+        stream.wait_event(follow)
+        if compute.device_index == torch.cuda.current_device():
+            torch.cuda.set_stream(stream)
+            try:
+                dst.copy_(src, non_blocking=True)
+            finally:
+                torch.cuda.set_stream(compute)
+        else:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
         self._launched[dst.data_ptr()] = LaunchedCopy(stream, device, host_reads, host_source)
 
     def _host_read(self, host: torch.Tensor) -> None:

@@ -1858,9 +1858,9 @@ def test_a_copy_waits_for_the_compute_streams_queued_work_and_leaves_the_current
     runtime = TransferRuntime()
     src = torch.arange(4.0)
 
-    def launch(device_index: int, stream=copies) -> torch.Tensor:
+    def launch(device_index: int) -> torch.Tensor:
         dst = torch.zeros(4)
-        runtime.launch_copy(dst, src, stream, torch.device("cuda", device_index))
+        runtime.launch_copy(dst, src, copies, torch.device("cuda", device_index))
         log.append(("copied", bool(torch.equal(dst, src))))
         return dst
 

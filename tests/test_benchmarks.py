@@ -356,6 +356,22 @@ def test_streaming_profiles_only_methods_it_runs(capsys):
     assert "--peak-history compile: not among --methods" in capsys.readouterr().err
 
 
+def test_streaming_eager_gives_the_rounding_spread_of_the_losses(tmp_path):
+    """eager trains compile's model without torch.compile: the same losses up to rounding,
+    reported with their largest and median gaps to compile's, beside storm's."""
+    assert streaming.main(["--smoke", "--loss-steps", "3", "--loss-tokens", "32",
+                           "--methods", "eager,storm", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    summary = results["loss"]["summary"]
+    assert list(summary) == ["compile", "eager", "storm"]
+    for method in ("eager", "storm"):
+        assert 0 <= summary[method]["median_abs_diff"] <= summary[method]["max_abs_diff"] < 1e-4
+    assert results["loss"]["runs"]["eager"]["losses"][0] == pytest.approx(
+        results["loss"]["runs"]["compile"]["losses"][0], rel=1e-5)
+    assert results["throughput"] == []
+    assert "median |Δ|" in (tmp_path / "results.md").read_text()
+
+
 def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     assert streaming.main(["--smoke", "--tokens", "32", "--micro-batches", "2",
                            "--loss-steps", "2", "--loss-tokens", "32", "--steps", "1",

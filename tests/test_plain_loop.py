@@ -5,6 +5,7 @@ route to a streamed parameter (``.data``, ``copy_``, ``load_state_dict``, hooks,
 ``backward(inputs=...)``) is either right or a one-line error."""
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -53,6 +54,40 @@ def _loop(net, batch, backend, *, clip: float | None = None, configure=None,
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, [p.detach().clone() for p in net.parameters()], overlapped
+
+
+REPEAT_SHAPE = dataclasses.replace(SHAPE, d_model=512, hidden=1408, heads=8, kv_heads=4,
+                                   seq=512, batch=4, dtype="bfloat16")
+"""Matrices of 0.5-1.4 MiB: copies and host steps long enough to overlap one another."""
+
+
+def _twice_on(device: str, backend) -> list[tuple[list[float], list[torch.Tensor], list[bool]]]:
+    """Two runs of the plain loop, one micro-batch a step, each from the same weights of the
+    REPEAT_SHAPE model streamed to ``device`` and on the same batch."""
+    torch.manual_seed(0)
+    reference, batch = build_llama(REPEAT_SHAPE)
+    batch = tuple(t.to(device) for t in batch)
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = copy.deepcopy(reference)
+        streaming.stream_parameters(model, device, resident_bytes=RESIDENT_BYTES)
+        runs.append(_loop(model, batch, backend, micro_batches=1))
+    return runs
+
+
+@pytest.mark.gpu
+def test_streamed_training_on_the_gpu_is_bitwise_the_same_twice():
+    """Two runs of the plain loop on the GPU from the same weights and batch give the same
+    losses and weights to the last bit, the later steps on the fast path: a host step that ran
+    while a copy still read its weight, or a gradient read before its copy home landed, would
+    make them differ."""
+    (losses, params, overlapped), (again, params_again, _) = _twice_on(
+        "cuda", storm(min_offload_bytes=0))
+    assert overlapped[-1], "the last step did not step its parameters during the backward"
+    assert losses == again
+    for param, other in zip(params, params_again):
+        assert torch.equal(param, other)
 
 
 def _reference(clip: float | None = None):

@@ -6,10 +6,11 @@ and sees the same batches; the optimizer is AdamW (``fused=True``) where the par
 
 * ``compile``: the whole model, its gradients and AdamW's state on the GPU, ``torch.compile``
   with Inductor, no memory cap (the reference).
-* ``eager``: ``compile`` without ``torch.compile``. Its losses differ from ``compile``'s by the
-  kernels alone (Inductor's fusions round bf16 differently), so its gap to ``compile`` over the
-  loss part is the spread that rounding alone gives that trajectory, against which a storm
-  run's gap is read.
+* ``eager``: ``compile`` without ``torch.compile``. Its losses differ from ``compile``'s only by
+  how the kernels round (Inductor's fusions round bf16 otherwise, and cuDNN's attention
+  backward, which PyTorch does not make deterministic, sums in an order that can change from run
+  to run), so its gap to ``compile`` over the loss part is the spread that rounding alone gives
+  that trajectory, against which a storm run's gap is read.
 * ``storm``: the plain loop (``backward()`` per micro-batch, ``optimizer.step()``,
   ``zero_grad()``). :func:`~storm_compile.weights.streaming.stream_parameters` keeps the parameters
   of 1 MiB or more in pinned host memory, ``torch.compile(backend=storm(memory_budget=--budget))``,

@@ -59,7 +59,7 @@ def _loop(net, batch, backend, *, clip: float | None = None, configure=None,
 
 REPEAT_SHAPE = dataclasses.replace(SHAPE, d_model=512, hidden=1408, heads=8, kv_heads=4,
                                    seq=512, batch=4, dtype="bfloat16")
-"""Matrices of 0.5-1.4 MiB: copies and host steps long enough to overlap one another."""
+"""Matrices of 0.25-1.4 MiB: copies and host steps long enough to overlap one another."""
 
 
 def _twice_on(device: str, backend) -> list[tuple[list[float], list[torch.Tensor], list[bool]]]:

@@ -35,8 +35,10 @@ Every method runs with the caching allocator's expandable segments unless
 Two parts, both optional:
 
 * loss (``--loss-steps N``): N optimizer steps of one micro-batch of ``--loss-tokens`` tokens,
-  every method's loss of every step, and the largest difference against ``compile`` (run for
-  the losses whether listed or not);
+  every method's loss of every step, and the largest and median differences against
+  ``compile`` (run for the losses whether listed or not). Each step draws new random tokens,
+  which no model can learn; with ``--loss-batches K`` the steps cycle through K drawn batches,
+  which a model can learn by heart;
 * throughput: for each tokens per micro-batch in ``--tokens`` and each listed method, one
   model built and compiled, then for each micro-batches per optimizer step in
   ``--micro-batches`` ``--steps`` timed optimizer steps after one untimed one (the first
@@ -129,7 +131,8 @@ LEARNING_RATE = 3e-4
 """A usual AdamW rate for models of this size: the loss moves visibly within 100 steps."""
 MODEL_SEED = 0
 DATA_SEED = 1_000
-"""Micro-batch ``i`` of a run is drawn from seed ``DATA_SEED + i``: the same for every method."""
+"""Micro-batch ``i`` of a run is drawn from seed ``DATA_SEED + i`` (``i`` modulo K under
+``--loss-batches K``): the same for every method."""
 FLOPS_PER_PARAMETER_TOKEN = 6
 """Forward and backward of a weight matrix: 2 + 4 FLOP per parameter per token."""
 ATTENTION_FLOPS = 6
@@ -244,10 +247,14 @@ def _adapted(shape: LlamaShape, args) -> tuple[nn.Module, _DrawnWeights]:
     return model, _DrawnWeights(model, args.device)
 
 
-def _batches(shape: LlamaShape, count: int, device: str) -> list[tuple[torch.Tensor, ...]]:
+def _batches(shape: LlamaShape, count: int, device: str, distinct: int | None = None
+             ) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` micro-batches of random tokens, cycling through ``distinct`` drawn ones (all
+    distinct when None)."""
     batches = []
     for index in range(count):
-        generator = torch.Generator().manual_seed(DATA_SEED + index)
+        drawn = index if distinct is None else index % distinct
+        generator = torch.Generator().manual_seed(DATA_SEED + drawn)
         tokens = torch.randint(shape.vocab, (shape.batch, shape.seq + 1), generator=generator)
         batches.append((tokens[:, :-1].to(device), tokens[:, 1:].to(device)))
     return batches
@@ -415,7 +422,7 @@ def _model_flops(shape: LlamaShape, tokens: int, lora: int | None = None) -> flo
 
 def _losses(shape: LlamaShape, args, cuda: bool, method: str) -> dict | str:
     """Every step's loss, the median step's seconds and the peak device memory of the run."""
-    batches = _batches(shape, args.loss_steps, args.device)
+    batches = _batches(shape, args.loss_steps, args.device, args.loss_batches)
     try:
         run = BUILDERS[method](shape, args, cuda)
         losses, seconds = [], []
@@ -638,6 +645,9 @@ def _parse(argv):
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per point")
     parser.add_argument("--loss-steps", type=int, default=0)
     parser.add_argument("--loss-tokens", type=int, default=4096)
+    parser.add_argument("--loss-batches", type=int, default=None, metavar="K",
+                        help="the loss steps cycle through K drawn batches, which a model can "
+                             "learn by heart (default: new random tokens every step)")
     parser.add_argument("--reference-losses", type=Path, default=None,
                         help=f"results.json of an earlier run of the same shape and steps: its "
                              f"{REFERENCE} losses are the reference, and {REFERENCE} is not "
@@ -679,6 +689,8 @@ def _parse(argv):
         unlisted = [m for m in listed if m not in args.methods]
         if unlisted:
             parser.error(f"{option} {','.join(unlisted)}: not among --methods")
+    if args.loss_batches is not None and args.loss_batches < 1:
+        parser.error(f"--loss-batches must be at least 1, got {args.loss_batches}")
     if args.host_format is not None and args.lora is None:
         parser.error("--host-format holds frozen weights: it needs --lora RANK")
     args.tokens, args.micro_batches = _ints(args.tokens), _ints(args.micro_batches)
@@ -719,6 +731,7 @@ def main(argv=None) -> int:
                                else platform.processor()},
                "shape": dataclasses.asdict(shape), "cap_gib": args.cap_gib,
                "budget": args.budget, "lora": args.lora, "host_format": args.host_format,
+               "loss_batches": args.loss_batches,
                "profile": dataclasses.asdict(_profile(cuda)), "throughput": []}
     runs: dict[str, dict | str] = {}
     if args.reference_losses is not None:
@@ -726,6 +739,9 @@ def main(argv=None) -> int:
         if saved["shape"] != results["shape"]:
             raise SystemExit(f"streaming: --reference-losses {args.reference_losses} ran "
                              f"another shape")
+        if saved.get("loss_batches") != args.loss_batches:
+            raise SystemExit(f"streaming: --reference-losses {args.reference_losses} drew its "
+                             f"batches otherwise (--loss-batches {saved.get('loss_batches')})")
         runs[REFERENCE] = saved["loss"]["runs"][REFERENCE]
     for method in args.loss_methods if args.loss_steps else ():
         if method not in runs:

@@ -372,6 +372,27 @@ def test_streaming_eager_gives_the_rounding_spread_of_the_losses(tmp_path):
     assert "median |Δ|" in (tmp_path / "results.md").read_text()
 
 
+def test_streaming_loss_batches_cycle_a_learnable_set(tmp_path, capsys):
+    batches = streaming._batches(streaming.SMOKE_SHAPE, 5, "cpu", distinct=2)
+    assert all(torch.equal(a, b) for a, b in zip(batches[0], batches[2]))
+    assert all(torch.equal(a, b) for a, b in zip(batches[1], batches[3]))
+    assert not torch.equal(batches[0][0], batches[1][0])
+    fresh = streaming._batches(streaming.SMOKE_SHAPE, 3, "cpu")
+    assert not torch.equal(fresh[0][0], fresh[2][0])
+    assert streaming.main(["--smoke", "--loss-steps", "2", "--loss-tokens", "32",
+                           "--loss-batches", "1", "--methods", "storm",
+                           "--out", str(tmp_path)]) == 0
+    saved = tmp_path / "results.json"
+    assert json.loads(saved.read_text())["loss_batches"] == 1
+    with pytest.raises(SystemExit, match="drew its batches otherwise"):
+        streaming.main(["--smoke", "--loss-steps", "2", "--loss-tokens", "32",
+                        "--reference-losses", str(saved), "--methods", "storm",
+                        "--out", str(tmp_path / "again")])
+    with pytest.raises(SystemExit):
+        streaming.main(["--smoke", "--loss-steps", "2", "--loss-batches", "0"])
+    assert "--loss-batches must be at least 1" in capsys.readouterr().err
+
+
 def test_streaming_smoke_trains_the_same_and_reports_throughput(tmp_path):
     assert streaming.main(["--smoke", "--tokens", "32", "--micro-batches", "2",
                            "--loss-steps", "2", "--loss-tokens", "32", "--steps", "1",

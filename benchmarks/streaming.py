@@ -299,18 +299,12 @@ def _cap(gib: float | None, cuda: bool) -> None:
                                                    min(1.0, gib * GIB / total))
 
 
-def _compile(shape: LlamaShape, args, cuda: bool) -> _Run:
+def _compile(shape: LlamaShape, args, cuda: bool, compiled: bool = True) -> _Run:
     _cap(None, cuda)
     model = _model(shape, args, args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(torch.compile(model), optimizer, args.sync), lambda micro_batches: None)
-
-
-def _eager(shape: LlamaShape, args, cuda: bool) -> _Run:
-    _cap(None, cuda)
-    model = _model(shape, args, args.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(model, optimizer, args.sync), lambda micro_batches: None)
+    return _Run(_trainer(torch.compile(model) if compiled else model, optimizer, args.sync),
+                lambda micro_batches: None)
 
 
 def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
@@ -385,7 +379,8 @@ def _fsdp2_offload(shape: LlamaShape, args, cuda: bool) -> _Run:
                 lambda micro_batches: None)
 
 
-BUILDERS = {"compile": _compile, "eager": _eager, "storm": _storm,
+BUILDERS = {"compile": _compile, "eager": functools.partial(_compile, compiled=False),
+            "storm": _storm,
             "storm-explicit": functools.partial(_storm, explicit=True),
             "fsdp2-offload": _fsdp2_offload}
 

@@ -89,6 +89,7 @@ import platform
 import statistics
 import sys
 import time
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -103,7 +104,7 @@ from benchmarks.peak_history import recorded
 from benchmarks.trace_analysis import MATMUL_PACKETS, matmul_key, profiled
 from storm_compile.cli.models import LLAMA_PRESETS, Llama, LlamaShape, add_lora
 from storm_compile.compiler.backend import StormBackend
-from storm_compile.config import StormConfig
+from storm_compile.config import OffloadFormat, StormConfig
 from storm_compile.cost.calibrate import profile_for
 from storm_compile.cost.simulate import device_bytes, predict_step, simulate
 from storm_compile.fx.graphs import COST_KEY, StormGraphs
@@ -127,6 +128,8 @@ their prices (``matmul_prices``): a Llama step has a handful per layer, LoRA add
 adapted matrix."""
 REFERENCE = "compile"
 METHODS = ("compile", "storm", "storm-explicit", "fsdp2-offload")
+OFFLOAD_FORMATS = tuple(f for f in typing.get_args(OffloadFormat) if f is not None)
+"""``--offload-format``'s choices: storm's ``offload_format`` values other than exact."""
 LEARNING_RATE = 3e-4
 """A usual AdamW rate for models of this size: the loss moves visibly within 100 steps."""
 MODEL_SEED = 0
@@ -319,6 +322,8 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
     options = {"memory_budget": args.budget} if args.budget is not None else {}
     if args.cost is not None:
         options["cost"] = args.cost
+    if args.offload_format is not None:
+        options["offload_format"] = args.offload_format
     if not cuda:
         options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
     predicted: list[dict[int, StepPrediction]] = []
@@ -572,6 +577,9 @@ def markdown(results: dict) -> str:
         held = results["host_format"] or "their dtype"
         parts.append(f"LoRA rank {results['lora']} beside every linear layer, the base frozen, "
                      f"its streamed weights in {held}; {REFERENCE}: the same weights resident.")
+    if results.get("offload_format") is not None:
+        parts.append(f"Storm's offloaded activations held in {results['offload_format']} on the "
+                     f"host (lossy).")
     loss = results.get("loss")
     if loss:
         rows = [[m, s] if isinstance(s, str) else
@@ -667,6 +675,9 @@ def _parse(argv):
     parser.add_argument("--host-format", default=None, choices=FORMATS,
                         help=f"with --lora: storm holds the frozen streamed weights in this "
                              f"format; {REFERENCE} trains on the same quantized weights, resident")
+    parser.add_argument("--offload-format", default=None, choices=OFFLOAD_FORMATS,
+                        help="storm's offload_format: its offloaded activations held in fp8 with "
+                             "a power-of-two scale (lossy; the loss part shows what it costs)")
     parser.add_argument("--oom-report", action="store_true",
                         help="record the allocator's history (slower steps) and write what "
                              "held the device at the first failed allocation to OUT/oom.txt")
@@ -726,6 +737,7 @@ def main(argv=None) -> int:
                                else platform.processor()},
                "shape": dataclasses.asdict(shape), "cap_gib": args.cap_gib,
                "budget": args.budget, "lora": args.lora, "host_format": args.host_format,
+               "offload_format": args.offload_format,
                "loss_batches": args.loss_batches,
                "profile": dataclasses.asdict(_profile(cuda)), "throughput": []}
     runs: dict[str, dict | str] = {}

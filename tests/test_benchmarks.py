@@ -222,6 +222,9 @@ def test_planning_time_sums_the_pass_records(capsys):
 
 
 SMOKE_ZOO_MODELS = ("llama", "resnet")
+FP8_LOSS_GAP = 0.05
+"""Largest loss gap accepted from fp8 offloads over the smoke run's two steps: under 1 % of its
+loss of 5.6 (fp8 holds a value to 2-3 %, and only the offloaded activations are held so)."""
 """A transformer and a convolutional net: enough to exercise the zoo harness on the CPU."""
 
 
@@ -634,6 +637,23 @@ def test_streaming_smoke_fine_tunes_lora_over_a_packed_base(tmp_path):
     assert "of_bound" not in compiled
     assert 0 < streamed["of_bound"] and streamed["link_bound_tokens_per_s"] > 0
     assert "nf4" in (tmp_path / "results.md").read_text()
+
+
+def test_streaming_offload_format_holds_storms_offloads_in_fp8(tmp_path):
+    """--offload-format fp8 reaches storm: under a budget that offloads, the exact run's losses
+    equal compile's to the bit on the CPU, and the fp8 run's differ, a little."""
+    def storm_gap(*extra: str) -> float:
+        out = tmp_path / (extra[-1] if extra else "exact")
+        assert streaming.main(["--smoke", "--budget", "0.25", "--loss-steps", "2",
+                               "--loss-tokens", "32", "--methods", "storm", *extra,
+                               "--out", str(out)]) == 0
+        results = json.loads((out / "results.json").read_text())
+        assert results["offload_format"] == (extra[-1] if extra else None)
+        return results["loss"]["summary"]["storm"]["max_abs_diff"]
+
+    assert storm_gap() == 0.0
+    assert 0.0 < storm_gap("--offload-format", "fp8") < FP8_LOSS_GAP
+    assert "held in fp8" in (tmp_path / "fp8" / "results.md").read_text()
 
 
 def test_streaming_refuses_a_host_format_without_adapters(capsys):

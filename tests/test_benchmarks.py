@@ -222,10 +222,10 @@ def test_planning_time_sums_the_pass_records(capsys):
 
 
 SMOKE_ZOO_MODELS = ("llama", "resnet")
+"""A transformer and a convolutional net: enough to exercise the zoo harness on the CPU."""
 FP8_LOSS_GAP = 0.05
 """Largest loss gap accepted from fp8 offloads over the smoke run's two steps: under 1 % of its
 loss of 5.6 (fp8 holds a value to 2-3 %, and only the offloaded activations are held so)."""
-"""A transformer and a convolutional net: enough to exercise the zoo harness on the CPU."""
 
 
 def test_zoo_memory_smoke_writes_table_and_json(tmp_path):

@@ -70,6 +70,13 @@ streaming alone. A LoRA row's TFLOP/s counts 4 FLOP per frozen parameter and tok
 (every streamed host byte crossing twice, at the calibrated host-to-device rate) and the
 GPU's (the model FLOPs at the calibrated matmul rate).
 
+``--cached`` plans storm's graphs without the benchmark's observer, so that torch's caches
+(AOTAutograd's and Inductor's, under ``TORCHINDUCTOR_CACHE_DIR``) serve a later process running
+the same command and skip storm's planning and Inductor; such a run records no predictions.
+With ``--storm-profile PATH`` (a ``storm calibrate`` JSON) storm plans, and the bounds are
+computed, from that calibration instead of the one cached for the present GPU, so that two
+processes on two hosts plan the same step.
+
 ``--smoke`` runs the harness on the CPU (tiny preset, storm with ``transfer_cpu_tensors``).
 Writes ``results.json`` and ``results.md`` after every row.
 """
@@ -96,6 +103,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 from torch import nn
+from torch._dynamo.utils import counters
 
 from benchmarks.activation_memory import CPU_STORM_OPTIONS, EXIT_NO_CUDA
 from benchmarks.compile_time import cuda_missing, error_line, write
@@ -326,6 +334,8 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
         options["offload_format"] = args.offload_format
     if not cuda:
         options = {**options, **CPU_STORM_OPTIONS, "transfer_cpu_tensors": True}
+    if args.storm_profile is not None:
+        options["profile"] = args.storm_profile
     predicted: list[dict[int, StepPrediction]] = []
     peaks: list[int] = []
     op_ms: collections.Counter = collections.Counter()
@@ -354,7 +364,8 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
         return dataclasses.replace(predicted[0][micro_batches], **{
             f: sum(getattr(p[micro_batches], f) for p in predicted) for f in fields})
 
-    backend = StormBackend(StormConfig.from_options(**options), observer=observe)
+    backend = StormBackend(StormConfig.from_options(**options),
+                           observer=None if args.cached else observe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
     overlapped = OverlappedOptimizer(optimizer) if explicit else None
     return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
@@ -390,10 +401,10 @@ BUILDERS = {"compile": _compile, "eager": functools.partial(_compile, compiled=F
             "fsdp2-offload": _fsdp2_offload}
 
 
-def _profile(cuda: bool):
-    """The device profile storm plans with here (the present GPU's calibration; the CPU test
-    profile on a smoke run)."""
-    return profile_for("auto" if cuda else "cpu-test")
+def _profile(args, cuda: bool):
+    """The device profile storm plans with here: ``--storm-profile``, by default the present
+    GPU's calibration (the CPU test profile on a smoke run)."""
+    return profile_for(args.storm_profile or ("auto" if cuda else "cpu-test"))
 
 
 def _release() -> None:
@@ -492,9 +503,12 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
     set the row's figures and, for storm, its predictions."""
     micro_batches = row["micro_batches"]
     batches = _batches(shape, micro_batches, args.device)
+    before = collections.Counter(counters["aot_autograd"])
     begin = time.perf_counter()
     run.step(batches)
     row["first_step_s"] = time.perf_counter() - begin
+    row["autograd_cache"] = {k: v for k, v in (counters["aot_autograd"] - before).items()
+                             if k.startswith("autograd_cache")}
     print(f"{row['method']}, {row['tokens']} tokens × {micro_batches}: untimed step "
           f"{row['first_step_s']:.1f} s", flush=True)
     if cuda:
@@ -525,7 +539,7 @@ def _measure(run: _Run, row: dict, shape: LlamaShape, args, cuda: bool) -> None:
         row["matmul_prices"] = _matmul_prices(row.pop("matmul_kernels"), run.matmul_us)
     predicted = run.predicted(micro_batches)
     if run.host_bytes is not None and args.lora is not None:
-        profile = _profile(cuda)
+        profile = _profile(args, cuda)
         link_s = LINK_CROSSINGS * run.host_bytes / profile.h2d_bandwidth
         compute_s = _model_flops(shape, row["tokens"], args.lora) / profile.matmul_flops
         row.update(link_bound_tokens_per_s=row["tokens"] / link_s,
@@ -681,6 +695,13 @@ def _parse(argv):
     parser.add_argument("--oom-report", action="store_true",
                         help="record the allocator's history (slower steps) and write what "
                              "held the device at the first failed allocation to OUT/oom.txt")
+    parser.add_argument("--cached", action="store_true",
+                        help="storm plans without the benchmark's observer, so torch's caches "
+                             "serve a later run of the same command; no predictions recorded")
+    parser.add_argument("--storm-profile", default=None, metavar="SPEC",
+                        help="storm's profile option (a built-in name or a storm calibrate "
+                             "JSON), also the rates of the bounds (default: the present GPU's "
+                             "cached calibration; cpu-test on a smoke run)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke run of the harness")
     parser.add_argument("--out", type=Path, default=Path("bench-out/streaming"))
     args = parser.parse_args(argv)
@@ -739,7 +760,7 @@ def main(argv=None) -> int:
                "budget": args.budget, "lora": args.lora, "host_format": args.host_format,
                "offload_format": args.offload_format,
                "loss_batches": args.loss_batches,
-               "profile": dataclasses.asdict(_profile(cuda)), "throughput": []}
+               "profile": dataclasses.asdict(_profile(args, cuda)), "throughput": []}
     runs: dict[str, dict | str] = {}
     if args.reference_losses is not None:
         saved = json.loads(args.reference_losses.read_text())

@@ -639,6 +639,26 @@ def test_streaming_smoke_fine_tunes_lora_over_a_packed_base(tmp_path):
     assert "nf4" in (tmp_path / "results.md").read_text()
 
 
+def test_streaming_cached_runs_come_from_torchs_caches_the_second_time(tmp_path, monkeypatch):
+    """--cached: storm plans without the observer, so the same command run again compiles
+    nothing (AOTAutograd's cache hits) and records no predictions; --storm-profile is the
+    profile storm plans with and the bounds' rates."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    command = ["--smoke", "--lora", "2", "--host-format", "nf4", "--tokens", "32", "--steps",
+               "1", "--methods", "storm", "--cached", "--storm-profile", "h100"]
+    rows = []
+    for run in ("cold", "warm"):
+        assert streaming.main([*command, "--out", str(tmp_path / run)]) == 0
+        results = json.loads((tmp_path / run / "results.json").read_text())
+        assert results["profile"]["name"] == "h100"
+        rows += results["throughput"]
+    cold, warm = rows
+    assert cold["autograd_cache"] == {"autograd_cache_miss": 1, "autograd_cache_saved": 1}
+    assert warm["autograd_cache"] == {"autograd_cache_hit": 1}
+    assert "pred_tokens_per_s" not in cold and "pred_tokens_per_s" not in warm
+    assert warm["of_bound"] > 0
+
+
 def test_streaming_offload_format_holds_storms_offloads_in_fp8(tmp_path):
     """--offload-format fp8 reaches storm: under a budget that offloads, the exact run's losses
     equal compile's to the bit on the CPU, and the fp8 run's differ, a little."""

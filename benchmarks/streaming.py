@@ -70,6 +70,11 @@ streaming alone. A LoRA row's TFLOP/s counts 4 FLOP per frozen parameter and tok
 (every streamed host byte crossing twice, at the calibrated host-to-device rate) and the
 GPU's (the model FLOPs at the calibrated matmul rate).
 
+``--compile-blocks`` compiles each block of the model on its own (regional compilation), for
+``compile`` and storm alike: identical blocks share one compiled graph, so the compile takes one
+block's time, and the embedding, the head and the loss run uncompiled. Its storm rows record no
+predictions: a block's plan is made once and run once per block.
+
 ``--cached`` plans storm's graphs without the benchmark's observer, so that torch's caches
 (AOTAutograd's and Inductor's, under ``TORCHINDUCTOR_CACHE_DIR``) serve a later process running
 the same command and skip storm's planning and Inductor; such a run records no predictions.
@@ -310,11 +315,22 @@ def _cap(gib: float | None, cuda: bool) -> None:
                                                    min(1.0, gib * GIB / total))
 
 
+def _compiled(model: nn.Module, backend, args) -> Callable:
+    """``model`` compiled whole, or with ``--compile-blocks`` each of its blocks compiled on its
+    own (regional compilation: the embedding, the head and the loss run uncompiled)."""
+    if not args.compile_blocks:
+        return torch.compile(model, backend=backend)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    return model
+
+
 def _compile(shape: LlamaShape, args, cuda: bool, compiled: bool = True) -> _Run:
     _cap(None, cuda)
     model = _model(shape, args, args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
-    return _Run(_trainer(torch.compile(model) if compiled else model, optimizer, args.sync),
+    return _Run(_trainer(_compiled(model, "inductor", args) if compiled else model, optimizer,
+                         args.sync),
                 lambda micro_batches: None)
 
 
@@ -365,10 +381,10 @@ def _storm(shape: LlamaShape, args, cuda: bool, explicit: bool = False) -> _Run:
             f: sum(getattr(p[micro_batches], f) for p in predicted) for f in fields})
 
     backend = StormBackend(StormConfig.from_options(**options),
-                           observer=None if args.cached else observe)
+                           observer=None if args.cached or args.compile_blocks else observe)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, fused=True)
     overlapped = OverlappedOptimizer(optimizer) if explicit else None
-    return _Run(_trainer(torch.compile(model, backend=backend), optimizer, args.sync,
+    return _Run(_trainer(_compiled(model, backend, args), optimizer, args.sync,
                          overlapped, deferred=explicit, relearn=not explicit),
                 predicted_step, op_ms, peaks, streamed.host_bytes, matmul_us)
 
@@ -594,6 +610,9 @@ def markdown(results: dict) -> str:
     if results.get("offload_format") is not None:
         parts.append(f"Storm's offloaded activations held in {results['offload_format']} on the "
                      f"host (lossy).")
+    if results.get("compile_blocks"):
+        parts.append("Each block compiled on its own (regional compilation); the embedding, "
+                     "the head and the loss uncompiled.")
     loss = results.get("loss")
     if loss:
         rows = [[m, s] if isinstance(s, str) else
@@ -695,6 +714,9 @@ def _parse(argv):
     parser.add_argument("--oom-report", action="store_true",
                         help="record the allocator's history (slower steps) and write what "
                              "held the device at the first failed allocation to OUT/oom.txt")
+    parser.add_argument("--compile-blocks", action="store_true",
+                        help="compile each block on its own (regional compilation) instead of "
+                             "the whole model: identical blocks share one compiled graph")
     parser.add_argument("--cached", action="store_true",
                         help="storm plans without the benchmark's observer, so torch's caches "
                              "serve a later run of the same command; no predictions recorded")
@@ -758,7 +780,7 @@ def main(argv=None) -> int:
                                else platform.processor()},
                "shape": dataclasses.asdict(shape), "cap_gib": args.cap_gib,
                "budget": args.budget, "lora": args.lora, "host_format": args.host_format,
-               "offload_format": args.offload_format,
+               "offload_format": args.offload_format, "compile_blocks": args.compile_blocks,
                "loss_batches": args.loss_batches,
                "profile": dataclasses.asdict(_profile(args, cuda)), "throughput": []}
     runs: dict[str, dict | str] = {}

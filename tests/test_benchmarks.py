@@ -639,6 +639,21 @@ def test_streaming_smoke_fine_tunes_lora_over_a_packed_base(tmp_path):
     assert "nf4" in (tmp_path / "results.md").read_text()
 
 
+def test_streaming_compile_blocks_trains_like_compile_and_records_no_predictions(tmp_path):
+    """--compile-blocks compiles each block on its own, storm and compile alike: the streamed
+    nf4 base trains the same losses, and a block's plan, made once and run once per block,
+    gives no step prediction."""
+    assert streaming.main(["--smoke", "--compile-blocks", "--lora", "2", "--host-format", "nf4",
+                           "--tokens", "32", "--loss-steps", "2", "--loss-tokens", "32",
+                           "--steps", "1", "--methods", "storm", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["compile_blocks"]
+    assert results["loss"]["summary"]["storm"]["max_abs_diff"] < 1e-5
+    (row,) = results["throughput"]
+    assert row["tokens_per_s"] > 0 and "pred_tokens_per_s" not in row
+    assert "regional compilation" in (tmp_path / "results.md").read_text()
+
+
 def test_streaming_cached_runs_come_from_torchs_caches_the_second_time(tmp_path, monkeypatch):
     """--cached: storm plans without the observer, so the same command run again compiles
     nothing (AOTAutograd's cache hits) and records no predictions; --storm-profile is the

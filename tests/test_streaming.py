@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from torch import fx
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -1619,6 +1620,43 @@ def test_a_parametrization_stacked_on_a_streamed_weight_still_applies(backend):
         reference.lm_head.weight.mul_(2)
     run = model if backend is None else torch.compile(model, backend=backend)
     torch.testing.assert_close(run(*inputs), reference(*inputs))
+
+
+BLOCKS = 10
+"""More blocks than Dynamo's recompile limit (8): past it, blocks that each needed a graph of
+their own would run uncompiled."""
+
+
+def test_identical_blocks_compiled_one_by_one_share_one_graph():
+    """Regional compilation of a streamed model: the blocks' modules share their parametrized
+    classes, so Dynamo guards pass from block to block and one storm graph serves them all; the
+    gradients are the unstreamed model's."""
+    model, (tokens, targets) = build_llama(dataclasses.replace(SHAPE, layers=BLOCKS), "cpu")
+    reference = copy.deepcopy(model)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    backend = storm(**CPU_TEST_OPTIONS)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    counters.clear()
+    model(tokens, targets).backward()
+    reference(tokens, targets).backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, expected.grad, msg=name)
+
+
+def test_a_parametrization_stacked_on_one_shared_module_leaves_the_others_storms_getter():
+    model, _ = build_llama(SHAPE, "cpu")
+    reference = copy.deepcopy(model)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES)
+    changed, other = model.blocks[0].q, model.blocks[1].q
+    assert type(changed) is type(other)
+    torch.nn.utils.parametrize.register_parametrization(changed, "weight", _Twice(),
+                                                        unsafe=True)
+    assert type(changed) is not type(other)
+    assert type(other).__dict__["weight"].fget.__qualname__.startswith("_read_streamed")
+    assert torch.equal(changed.weight, 2 * reference.blocks[0].q.weight)
+    assert torch.equal(other.weight, reference.blocks[1].q.weight)
 
 
 def test_a_streamed_weight_moved_by_to_is_read_on_its_new_device():

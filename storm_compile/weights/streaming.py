@@ -192,7 +192,9 @@ class _StreamedList(HostResidentParametrizationList):
 
     * ``storm_fetch``: its ``_Fetch``, whose ``packed`` a weight in a host format reads;
     * ``storm_device``: that ``_Fetch``'s device, which ``_apply`` may change and keeps equal;
-    * ``storm_torch_getter``: ``(class, name, torch's property)``, what a change puts back.
+    * ``storm_torch_getter``: ``(owner, name, torch's property)``, what a change puts back on
+      the owning module's class, after giving the owner a class of its own where it shares one
+      (:func:`_share_class`), so that the other modules keep storm's getter.
     """
 
     def _apply(self, fn, recurse: bool = True) -> _StreamedList:
@@ -201,8 +203,10 @@ class _StreamedList(HostResidentParametrizationList):
         return self
 
     def _changed(self) -> None:
-        owner_class, name, torch_getter = self.storm_torch_getter
-        setattr(owner_class, name, torch_getter)
+        owner, name, torch_getter = self.storm_torch_getter
+        if getattr(type(owner), _SHARED, False):
+            owner.__class__ = _own_class(type(owner))
+        setattr(type(owner), name, torch_getter)
 
     def append(self, module: nn.Module) -> _StreamedList:
         super().append(module)
@@ -242,7 +246,7 @@ def _read_streamed(module: nn.Module, name: str) -> None:
     key = _CHAIN.format(name)
     module.__dict__[key] = chain
     chain.__class__ = _StreamedList
-    chain.__dict__.update(storm_torch_getter=(type(module), name, torch_property),
+    chain.__dict__.update(storm_torch_getter=(module, name, torch_property),
                           storm_fetch=chain[0], storm_device=chain[0].device)
 
     if isinstance(chain[0], _Dequantize):
@@ -273,6 +277,40 @@ class Streamed:
     formats: dict[str, str] = dataclasses.field(default_factory=dict)
     """The streamed parameters held in a host format (``"int8"``, ``"nf4"``), by name; the
     others keep their dtype."""
+
+
+_SHARED = "_storm_shared"
+"""Set on a parametrized class :func:`_share_class` gives to several modules."""
+
+_SHARED_CLASSES: dict[tuple, type] = {}
+"""The shared parametrized class of each (module class, streamed names and whether each is
+rebuilt from a host format)."""
+
+
+def _share_class(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Give ``module`` the parametrized class of every module of its class that streams the
+    same weights the same way.
+
+    ``register_parametrization`` gives each module a class of its own, and Dynamo guards a
+    module's class: a model compiled block by block (``block.compile()``, regional compilation)
+    then traces, plans and compiles each of its identical blocks anew, and past Dynamo's
+    recompile limit (8) runs the rest uncompiled. Storm's getters (:func:`_read_streamed`)
+    read everything from the instance, so modules that stream the same weights the same way
+    can share one class, and identical blocks one compiled graph. A change to one module's
+    parametrizations gives that module a class of its own first (:class:`_StreamedList`)."""
+    kinds = tuple((name, isinstance(module.parametrizations[name][0], _Dequantize))
+                  for name in names)
+    key = (type(module).__bases__[0], kinds)
+    shared = _SHARED_CLASSES.setdefault(key, type(module))
+    setattr(shared, _SHARED, True)
+    module.__class__ = shared
+
+
+def _own_class(shared: type) -> type:
+    """A class of its own for a module leaving ``shared``: the same attributes."""
+    attributes = {k: v for k, v in vars(shared).items()
+                  if k not in ("__dict__", "__weakref__", _SHARED)}
+    return type(shared.__name__, shared.__bases__, attributes)
 
 
 def available_host_bytes() -> int:
@@ -508,6 +546,7 @@ def stream_parameters(model: nn.Module, device: torch.device | str,
             parametrize.register_parametrization(module, name, fetch, unsafe=True)
             keep_on_host(module, name)
             _read_streamed(module, name)
+        _share_class(module, tuple(names))
         _register_state_dict_names(module, tuple(names))
     return Streamed(names=tuple(n for n, _ in streamed), host_bytes=host_bytes,
                     resident=tuple(n for n, _ in resident),

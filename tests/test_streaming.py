@@ -8,6 +8,7 @@ import logging
 import re
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from helpers import CPU_TEST_OPTIONS, asking, cost_model, nodes, streamed, unstreamed_name
 from storm_compile import StormOverlapError, storm
-from storm_compile.cli.models import LLAMA_PRESETS, build_llama
+from storm_compile.cli.models import LLAMA_PRESETS, add_lora, build_llama
 from storm_compile.cli.report import summary
 from storm_compile.compiler import pipeline
 from storm_compile.compiler.backend import StormBackend
@@ -1643,6 +1644,43 @@ def test_identical_blocks_compiled_one_by_one_share_one_graph():
     assert counters["stats"]["unique_graphs"] == 1
     for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, expected.grad, msg=name)
+
+
+REGIONAL_BUDGET = "3MiB"
+"""Below what the tiny LoRA Llama's 10 blocks hold as one graph's plan: its runs before the
+backward are planned again."""
+REGIONAL_COMPILES = 6
+"""Compiles of three such steps: the block graphs and their replans (12 when every run's
+room was planned anew)."""
+
+
+def test_identical_blocks_under_a_byte_budget_reuse_their_runs_plans():
+    """Each block is a run of one graph before the backward; the rooms of the runs shrink by
+    what each holds, and a plan made for an earlier run serves the later ones its peak fits,
+    so three steps compile a few plans, not one per block; the gradients stay the unstreamed
+    model's and the third step warns of nothing."""
+    base = add_lora(build_llama(dataclasses.replace(SHAPE, layers=BLOCKS), "cpu")[0], 4)
+    model, reference = copy.deepcopy(base), copy.deepcopy(base)
+    stream_parameters(model, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4")
+    stream_parameters(reference, "cpu", resident_bytes=RESIDENT_BYTES, host_format="nf4")
+    options = {k: v for k, v in CPU_TEST_OPTIONS.items() if k not in ("offload", "recompute")}
+    backend = storm(**options, memory_budget=REGIONAL_BUDGET)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        tokens = torch.randint(SHAPE.vocab, (SHAPE.batch, SHAPE.seq + 1), generator=generator)
+        with warnings.catch_warnings():
+            if step == 2:
+                warnings.filterwarnings("error", message="storm")
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+        reference(tokens[:, :-1], tokens[:, 1:]).backward()
+        for (name, param), expected in zip(model.named_parameters(), reference.parameters()):
+            if param.requires_grad:
+                torch.testing.assert_close(param.grad, expected.grad, msg=name)
+                param.grad = expected.grad = None
+    assert counters["aot_autograd"]["total"] <= REGIONAL_COMPILES
 
 
 def test_a_parametrization_stacked_on_one_shared_module_leaves_the_others_storms_getter():

@@ -342,8 +342,9 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
     (:meth:`StepBudget.ran`: which graphs a step runs, and what each run holds) and releasing
     the run when its backward starts or its autograd graph is freed unused. Under a byte
     ``budget`` a run the ledger asks to plan again (:meth:`StepBudget.run_room`: the graph runs
-    several times before a backward) runs ``replan(room)``'s graph, compiled once per room (the
-    device peak the run may reach); a run no plan fits beside what the step holds raises
+    several times before a backward) runs a plan made for an earlier run for the same
+    activations whose peak fits the room (:func:`_fitting`), or else ``replan(room)``'s graph,
+    compiled once per room (the device peak the run may reach); a run no plan fits beside what the step holds raises
     :class:`StormBudgetError` saying so. A run also holds the device inputs the step's earlier
     runs of the graph did not pass (another block's weights, a siamese step's second batch):
     the graph's plan counts one run's inputs. Only a graph the last step ran several times
@@ -359,7 +360,8 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
             room = step.run_room(graph, budget)
             if room is not None:
                 if room not in variants:
-                    variants[room] = _replanned(replan, room, budget)
+                    variants[room] = _fitting(variants, room) or _replanned(replan, room,
+                                                                            budget)
                     step.saw_peak(graph, variants[room][1].peak_bytes)
                 chosen, planned = variants[room][0], variants[room][1].planned_bytes
             held = step.runs_held(graph)
@@ -404,6 +406,20 @@ def _new_inputs(args: Sequence[Any], seen: set[int], first: bool) -> int:
             seen.add(storage.data_ptr())
             fresh += 0 if first else storage.nbytes()
     return fresh
+
+
+def _fitting(variants: dict[RunRoom, tuple[Callable, GraphShare]], room: RunRoom
+             ) -> tuple[Callable, GraphShare] | None:
+    """A plan made for an earlier run of the graph for the same activations as ``room`` whose
+    predicted peak fits ``room``; None when there is none.
+
+    The runs of one graph before its backward (identical blocks compiled one by one, each block
+    a run) get rooms that shrink by what each run holds, for the same activations but in the
+    last run: a plan made for an earlier, larger room serves the later ones as long as its peak
+    fits, where planning each run anew compiled the graph once per block."""
+    return next((variant for planned_for, variant in variants.items()
+                 if planned_for.plan_bytes == room.plan_bytes
+                 and variant[1].peak_bytes <= room.peak_bytes), None)
 
 
 def _replanned(replan: Callable[[RunRoom], tuple[Callable, GraphShare]], room: RunRoom,

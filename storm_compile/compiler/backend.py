@@ -344,12 +344,12 @@ def _counting_runs(compiled: Callable, step: StepBudget, graph: GraphId, budget:
     ``budget`` a run the ledger asks to plan again (:meth:`StepBudget.run_room`: the graph runs
     several times before a backward) runs a plan made for an earlier run for the same
     activations whose peak fits the room (:func:`_fitting`), or else ``replan(room)``'s graph,
-    compiled once per room (the device peak the run may reach); a run no plan fits beside what the step holds raises
-    :class:`StormBudgetError` saying so. A run also holds the device inputs the step's earlier
-    runs of the graph did not pass (another block's weights, a siamese step's second batch):
-    the graph's plan counts one run's inputs. Only a graph the last step ran several times
-    records its first run's inputs (a graph run once per step pays nothing); in the step that
-    first shows a second run, all of that run's device inputs count."""
+    compiled once per room (the device peak the run may reach); a run no plan fits beside what
+    the step holds raises :class:`StormBudgetError` saying so. A run also holds the device
+    inputs the step's earlier runs of the graph did not pass (another block's weights, a siamese
+    step's second batch): the graph's plan counts one run's inputs. Only a graph the last step
+    ran several times records its first run's inputs (a graph run once per step pays nothing);
+    in the step that first shows a second run, all of that run's device inputs count."""
     variants: dict[RunRoom, tuple[Callable, GraphShare]] = {}
     inputs_seen: set[int] = set()
 
